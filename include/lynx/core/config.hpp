@@ -1,0 +1,32 @@
+// Lynx configuration: the one place where host/device qualifiers are decided.
+// Everything outside backend/cuda/ compiles with a plain C++20 host compiler;
+// under nvcc the same functions become __host__ __device__.
+#pragma once
+
+#if defined(__CUDACC__)
+#define LYNX_HOST_DEVICE __host__ __device__ __forceinline__
+#define LYNX_DEVICE __device__ __forceinline__
+#define LYNX_CUDA_COMPILER 1
+#else
+#define LYNX_HOST_DEVICE inline
+#define LYNX_DEVICE inline
+#define LYNX_CUDA_COMPILER 0
+#endif
+
+#if defined(__CUDA_ARCH__)
+#define LYNX_DEVICE_CODE 1
+#else
+#define LYNX_DEVICE_CODE 0
+#endif
+
+#if defined(__GNUC__) || defined(__clang__)
+#define LYNX_RESTRICT __restrict__
+#define LYNX_ALWAYS_INLINE inline __attribute__((always_inline))
+#else
+#define LYNX_RESTRICT
+#define LYNX_ALWAYS_INLINE inline
+#endif
+
+#define LYNX_VERSION_MAJOR 0
+#define LYNX_VERSION_MINOR 1
+#define LYNX_VERSION_PATCH 0

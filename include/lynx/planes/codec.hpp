@@ -1,0 +1,358 @@
+// The codecs of a layer (host):
+//   encode      quantize + split a layer's K and V into its segments (one per stream)
+//   quantize    the B-bit codes and parameters alone (the reference for merge)
+//   split       codes -> segments;  merge: all planes of a tensor -> codes
+//   reconstruct dequantize at the tensor's precision level into an engine's layout
+// Sizes come first (segment_bytes) so a caller can encode into its own,
+// registered buffers with encode_into and no allocation.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "lynx/backend/host/codec_kernels.hpp"
+#include "lynx/backend/host/parallel.hpp"
+#include "lynx/core/buffer.hpp"
+#include "lynx/core/error.hpp"
+#include "lynx/core/types.hpp"
+#include "lynx/core/view.hpp"
+#include "lynx/planes/layout.hpp"
+#include "lynx/planes/segment.hpp"
+#include "lynx/planes/stream_plan.hpp"
+#include "lynx/planes/tensor.hpp"
+#include "lynx/quant/quantizer.hpp"
+
+namespace lynx {
+
+struct encode_options {
+  std::uint64_t generation = 0;  // request generation written into every header
+  int threads = 1;               // host threads; <= 0 means all hardware threads
+};
+
+/// The segments of one layer, owned: segment(s) is what a transport sends.
+template <stream_plan_type Plan, int G = 32>
+class encoded_layer {
+ public:
+  using plan = Plan;
+  static constexpr int group_size = G;
+
+  encoded_layer(layer_geometry geometry, std::uint32_t layer) : geometry_(geometry), layer_(layer) {
+    for (int s = 0; s < Plan::streams; ++s) segments_[static_cast<std::size_t>(s)] = aligned_buffer(segment_bytes(geometry_, s));
+  }
+  [[nodiscard]] std::span<const std::byte> segment(int s) const { return segments_[static_cast<std::size_t>(s)].span(); }
+  [[nodiscard]] std::span<std::byte> segment(int s) { return segments_[static_cast<std::size_t>(s)].span(); }
+  [[nodiscard]] const layer_geometry& geometry() const noexcept { return geometry_; }
+  [[nodiscard]] std::uint32_t layer() const noexcept { return layer_; }
+  [[nodiscard]] std::size_t total_bytes() const noexcept {
+    std::size_t n = 0;
+    for (int s = 0; s < Plan::streams; ++s) n += segments_[static_cast<std::size_t>(s)].size();
+    return n;
+  }
+
+ private:
+  layer_geometry geometry_;
+  std::uint32_t layer_;
+  std::array<aligned_buffer, max_streams> segments_{};
+};
+
+/// B-bit codes and group parameters of a layer, unpacked:
+/// key_codes/value_codes [kv_heads][tokens][head_dim]; parameters as in layout.hpp.
+struct quantized_layer {
+  layer_geometry geometry{};
+  std::vector<std::uint16_t> key_codes, value_codes;
+  std::vector<float> key_scale, key_zero, value_scale, value_zero;
+  friend bool operator==(const quantized_layer&, const quantized_layer&) = default;
+};
+
+namespace detail {
+
+template <class T>
+void check_input_views(const kv_view<const T, host_space>& keys, const kv_view<const T, host_space>& values) {
+  require(keys.data != nullptr && values.data != nullptr, errc::invalid_argument, "encode: null K or V data");
+  require(keys.shape == values.shape, errc::shape_mismatch,
+          "K has shape " + to_string(keys.shape) + " but V has shape " + to_string(values.shape));
+}
+
+inline void check_output_spans(const layer_geometry& g, std::span<const std::span<std::byte>> out) {
+  require(static_cast<int>(out.size()) == g.plan.streams, errc::invalid_argument,
+          "encode_into: " + std::to_string(out.size()) + " output buffers for a plan of " + std::to_string(g.plan.streams) + " streams");
+  for (int s = 0; s < g.plan.streams; ++s)
+    require(out[static_cast<std::size_t>(s)].size() == segment_bytes(g, s), errc::invalid_argument,
+            "encode_into: buffer of stream " + std::to_string(s) + " has " + std::to_string(out[static_cast<std::size_t>(s)].size()) +
+                " bytes, the segment needs " + std::to_string(segment_bytes(g, s)));
+}
+
+/// Where a 32-token block's planes go: copies the packed planes (Bits x D words)
+/// into the plane sections of every stream (a stream's planes of one block are contiguous).
+inline void scatter_planes(const layer_geometry& g, const std::uint32_t* packed, std::int64_t h, std::int64_t b, bool keys,
+                           std::span<const std::span<std::byte>> out) {
+  for (int s = 0; s < g.plan.streams; ++s) {
+    std::byte* payload = out[static_cast<std::size_t>(s)].data() + segment_header_bytes;
+    auto* words = reinterpret_cast<std::uint32_t*>(payload + (keys ? g.key_planes_offset(s) : g.value_planes_offset(s)));
+    std::memcpy(words + g.word_index(s, h, b, 0, 0), packed + g.plan.plane_begin(s) * g.head_dim,
+                static_cast<std::size_t>(g.planes_in(s) * g.head_dim) * sizeof(std::uint32_t));
+  }
+}
+
+inline void finish_segments(const layer_geometry& g, std::uint32_t layer, std::uint64_t generation,
+                            std::span<const std::span<std::byte>> out) {
+  for (int s = 0; s < g.plan.streams; ++s) {
+    std::span<std::byte> seg = out[static_cast<std::size_t>(s)];
+    const segment_header h = make_header(g, layer, s, generation);
+    std::memcpy(seg.data(), &h, sizeof h);
+    seal_segment(seg);
+  }
+}
+
+// Zero the alignment padding between sections so segments are deterministic bytes.
+inline void zero_padding(const layer_geometry& g, std::span<const std::span<std::byte>> out) {
+  for (int s = 0; s < g.plan.streams; ++s) std::memset(out[static_cast<std::size_t>(s)].data() + segment_header_bytes, 0,
+                                                      static_cast<std::size_t>(g.payload_bytes(s)));
+}
+
+}  // namespace detail
+
+/// Segment sizes for a layer: sizes()[s] bytes for stream s (header included).
+inline std::vector<std::size_t> segment_sizes(const layer_geometry& g) {
+  std::vector<std::size_t> n;
+  for (int s = 0; s < g.plan.streams; ++s) n.push_back(segment_bytes(g, s));
+  return n;
+}
+
+/// Encodes one layer into caller-provided buffers, out[s] of exactly segment_bytes(g, s).
+template <stream_plan_type Plan, int G = 32, kv_element T>
+void encode_into(kv_view<const T, host_space> keys, kv_view<const T, host_space> values, std::uint32_t layer,
+                 std::span<const std::span<std::byte>> out, const encode_options& options = {}) {
+  detail::check_input_views(keys, values);
+  const layer_geometry g = make_geometry<Plan, G>(keys.shape);
+  detail::check_output_spans(g, out);
+  detail::zero_padding(g, out);
+  constexpr int B = Plan::bits;
+  const std::int64_t D = g.head_dim;
+  std::byte* anchor = out[0].data() + segment_header_bytes;
+  auto* key_scale = reinterpret_cast<float*>(anchor + g.key_scale_offset());
+  auto* key_zero = reinterpret_cast<float*>(anchor + g.key_zero_offset());
+  auto* value_scale = reinterpret_cast<float*>(anchor + g.value_scale_offset());
+  auto* value_zero = reinterpret_cast<float*>(anchor + g.value_zero_offset());
+  const std::int64_t key_params_per_head = g.key_token_groups() * D;
+  const std::int64_t value_params_per_head = g.tokens * g.value_channel_groups();
+
+  // Phase 1: key parameters need whole token groups, which may span blocks.
+  detail::parallel_for(options.threads, g.kv_heads, [&](std::int64_t h0, std::int64_t h1) {
+    std::vector<float> lo, hi;
+    for (std::int64_t h = h0; h < h1; ++h)
+      detail::key_params_for_head<B>(keys, g, layer, h, key_scale + h * key_params_per_head, key_zero + h * key_params_per_head, lo, hi);
+  });
+  // Phase 2: every (head, block) independently: quantize to a code tile, pack, scatter.
+  const std::int64_t blocks = g.blocks();
+  detail::parallel_for(options.threads, g.kv_heads * blocks, [&](std::int64_t i0, std::int64_t i1) {
+    std::vector<std::uint16_t> codes(static_cast<std::size_t>(tokens_per_word * D));
+    std::vector<std::uint32_t> packed(static_cast<std::size_t>(B * D));
+    std::vector<float> scratch(static_cast<std::size_t>(D));
+    for (std::int64_t i = i0; i < i1; ++i) {
+      const std::int64_t h = i / blocks, b = i % blocks;
+      const std::int64_t t0 = b * tokens_per_word, n = std::min<std::int64_t>(tokens_per_word, g.tokens - t0);
+      detail::quantize_key_block<B>(keys, g, h, t0, n, key_scale + h * key_params_per_head, key_zero + h * key_params_per_head,
+                                    codes.data(), scratch.data());
+      detail::pack_block<B>(codes.data(), n, D, packed.data());
+      detail::scatter_planes(g, packed.data(), h, b, true, out);
+      detail::quantize_value_block<B>(values, g, layer, h, t0, n, value_scale + h * value_params_per_head,
+                                      value_zero + h * value_params_per_head, codes.data(), scratch.data());
+      detail::pack_block<B>(codes.data(), n, D, packed.data());
+      detail::scatter_planes(g, packed.data(), h, b, false, out);
+    }
+  });
+  detail::finish_segments(g, layer, options.generation, out);
+}
+
+/// Encodes one layer into newly allocated segments.
+template <stream_plan_type Plan, int G = 32, kv_element T>
+encoded_layer<Plan, G> encode(kv_view<const T, host_space> keys, kv_view<const T, host_space> values, std::uint32_t layer,
+                              const encode_options& options = {}) {
+  detail::check_input_views(keys, values);
+  encoded_layer<Plan, G> result(make_geometry<Plan, G>(keys.shape), layer);
+  std::array<std::span<std::byte>, max_streams> spans{};
+  for (int s = 0; s < Plan::streams; ++s) spans[static_cast<std::size_t>(s)] = result.segment(s);
+  encode_into<Plan, G, T>(keys, values, layer, std::span<const std::span<std::byte>>(spans.data(), Plan::streams), options);
+  return result;
+}
+
+template <stream_plan_type Plan, int G = 32, kv_element T>
+encoded_layer<Plan, G> encode(kv_view<T, host_space> keys, kv_view<T, host_space> values, std::uint32_t layer,
+                              const encode_options& options = {}) requires(!std::is_const_v<T>) {
+  return encode<Plan, G, T>(kv_view<const T, host_space>(keys), kv_view<const T, host_space>(values), layer, options);
+}
+
+/// The codes and parameters of a layer, without splitting (the reference for merge).
+template <stream_plan_type Plan, int G = 32, kv_element T>
+quantized_layer quantize(kv_view<const T, host_space> keys, kv_view<const T, host_space> values, std::uint32_t layer = 0) {
+  detail::check_input_views(keys, values);
+  constexpr int B = Plan::bits;
+  quantized_layer q;
+  q.geometry = make_geometry<Plan, G>(keys.shape);
+  const layer_geometry& g = q.geometry;
+  const std::int64_t D = g.head_dim, T_ = g.tokens;
+  q.key_codes.resize(static_cast<std::size_t>(g.kv_heads * T_ * D));
+  q.value_codes.resize(q.key_codes.size());
+  q.key_scale.resize(static_cast<std::size_t>(g.key_params()));
+  q.key_zero.resize(q.key_scale.size());
+  q.value_scale.resize(static_cast<std::size_t>(g.value_params()));
+  q.value_zero.resize(q.value_scale.size());
+  std::vector<float> lo, hi, scratch(static_cast<std::size_t>(D));
+  for (std::int64_t h = 0; h < g.kv_heads; ++h) {
+    float* ks = q.key_scale.data() + h * g.key_token_groups() * D;
+    float* kz = q.key_zero.data() + h * g.key_token_groups() * D;
+    detail::key_params_for_head<B>(keys, g, layer, h, ks, kz, lo, hi);
+    for (std::int64_t b = 0; b < g.blocks(); ++b) {
+      const std::int64_t t0 = b * tokens_per_word, n = std::min<std::int64_t>(tokens_per_word, T_ - t0);
+      detail::quantize_key_block<B>(keys, g, h, t0, n, ks, kz, q.key_codes.data() + (h * T_ + t0) * D, scratch.data());
+      detail::quantize_value_block<B>(values, g, layer, h, t0, n, q.value_scale.data() + h * T_ * g.value_channel_groups(),
+                                      q.value_zero.data() + h * T_ * g.value_channel_groups(), q.value_codes.data() + (h * T_ + t0) * D,
+                                      scratch.data());
+    }
+  }
+  return q;
+}
+
+/// Splits codes into the segments of a layer.
+template <stream_plan_type Plan, int G = 32>
+encoded_layer<Plan, G> split(const quantized_layer& q, std::uint32_t layer, std::uint64_t generation = 0) {
+  const layer_geometry& g = q.geometry;
+  detail::require(g == make_geometry<Plan, G>(g.shape()), errc::plan_mismatch,
+                  "split: codes were quantized with plan '" + g.plan.name() + "', not '" + Plan::name() + "'");
+  encoded_layer<Plan, G> result(g, layer);
+  std::array<std::span<std::byte>, max_streams> spans{};
+  for (int s = 0; s < Plan::streams; ++s) spans[static_cast<std::size_t>(s)] = result.segment(s);
+  const std::span<const std::span<std::byte>> out(spans.data(), Plan::streams);
+  detail::zero_padding(g, out);
+  std::byte* anchor = out[0].data() + segment_header_bytes;
+  std::memcpy(anchor + g.key_scale_offset(), q.key_scale.data(), q.key_scale.size() * 4);
+  std::memcpy(anchor + g.key_zero_offset(), q.key_zero.data(), q.key_zero.size() * 4);
+  std::memcpy(anchor + g.value_scale_offset(), q.value_scale.data(), q.value_scale.size() * 4);
+  std::memcpy(anchor + g.value_zero_offset(), q.value_zero.data(), q.value_zero.size() * 4);
+  const std::int64_t D = g.head_dim, T_ = g.tokens;
+  std::vector<std::uint32_t> packed(static_cast<std::size_t>(Plan::bits * D));
+  for (std::int64_t h = 0; h < g.kv_heads; ++h)
+    for (std::int64_t b = 0; b < g.blocks(); ++b) {
+      const std::int64_t t0 = b * tokens_per_word, n = std::min<std::int64_t>(tokens_per_word, T_ - t0);
+      detail::pack_block<Plan::bits>(q.key_codes.data() + (h * T_ + t0) * D, n, D, packed.data());
+      detail::scatter_planes(g, packed.data(), h, b, true, out);
+      detail::pack_block<Plan::bits>(q.value_codes.data() + (h * T_ + t0) * D, n, D, packed.data());
+      detail::scatter_planes(g, packed.data(), h, b, false, out);
+    }
+  detail::finish_segments(g, layer, generation, out);
+  return result;
+}
+
+namespace detail {
+// Pointers to plane j's words of block (h, b) for j < planes, across streams.
+template <class View>
+void block_plane_rows(const View& v, bool keys, std::int64_t h, std::int64_t b, int planes, const std::uint32_t** rows) {
+  const layer_geometry& g = v.geometry;
+  int j = 0;
+  for (int s = 0; j < planes; ++s)
+    for (int jl = 0; jl < g.planes_in(s) && j < planes; ++jl, ++j)
+      rows[j] = (keys ? v.key_planes(s) : v.value_planes(s)) + g.word_index(s, h, b, jl, 0);
+}
+}  // namespace detail
+
+/// All planes back to B-bit codes (requires a complete tensor).
+template <stream_plan_type Plan, int G>
+quantized_layer merge(const bitplane_tensor<Plan, G, host_space>& tensor) {
+  detail::require(tensor.complete(), errc::invalid_argument,
+                  "merge: layer " + std::to_string(tensor.layer()) + " has " + std::to_string(tensor.precision_level()) + " of " +
+                      std::to_string(Plan::streams) + " streams");
+  const auto v = tensor.view();
+  const layer_geometry& g = v.geometry;
+  quantized_layer q;
+  q.geometry = g;
+  const std::int64_t D = g.head_dim, T_ = g.tokens;
+  q.key_codes.resize(static_cast<std::size_t>(g.kv_heads * T_ * D));
+  q.value_codes.resize(q.key_codes.size());
+  q.key_scale.assign(v.key_scale(), v.key_scale() + g.key_params());
+  q.key_zero.assign(v.key_zero(), v.key_zero() + g.key_params());
+  q.value_scale.assign(v.value_scale(), v.value_scale() + g.value_params());
+  q.value_zero.assign(v.value_zero(), v.value_zero() + g.value_params());
+  std::vector<std::uint32_t> codes(static_cast<std::size_t>(tokens_per_word * D));
+  const std::uint32_t* rows[16];
+  for (int which = 0; which < 2; ++which) {
+    std::uint16_t* dst = which == 0 ? q.key_codes.data() : q.value_codes.data();
+    for (std::int64_t h = 0; h < g.kv_heads; ++h)
+      for (std::int64_t b = 0; b < g.blocks(); ++b) {
+        const std::int64_t t0 = b * tokens_per_word, n = std::min<std::int64_t>(tokens_per_word, T_ - t0);
+        detail::block_plane_rows(v, which == 0, h, b, Plan::bits, rows);
+        detail::unpack_block(rows, Plan::bits, n, D, codes.data());
+        for (std::int64_t i = 0; i < n * D; ++i) dst[(h * T_ + t0) * D + i] = static_cast<std::uint16_t>(codes[static_cast<std::size_t>(i)]);
+      }
+  }
+  return q;
+}
+
+struct reconstruct_options {
+  int threads = 1;  // <= 0: all hardware threads
+};
+
+/// Dequantizes K and V at the view's precision level into the engine's layout.
+template <stream_plan_type Plan, int G, kv_element T>
+void reconstruct(const bitplane_view<Plan, G, host_space>& v, kv_view<T, host_space> keys_out, kv_view<T, host_space> values_out,
+                 const reconstruct_options& options = {}) {
+  const layer_geometry& g = v.geometry;
+  detail::require(v.level >= 1, errc::invalid_argument,
+                  "reconstruct: layer " + std::to_string(v.layer) + " has no anchor yet (precision level 0)");
+  detail::require(keys_out.shape == g.shape() && values_out.shape == g.shape(), errc::shape_mismatch,
+                  "reconstruct: outputs " + to_string(keys_out.shape) + " / " + to_string(values_out.shape) + ", the layer is " +
+                      to_string(g.shape()));
+  constexpr int B = Plan::bits;
+  const int P = v.planes();
+  const float half = midpoint_offset<B>(P);
+  const std::int64_t D = g.head_dim, T_ = g.tokens, VG = g.value_group, VGs = g.value_channel_groups();
+  const std::int64_t blocks = g.blocks();
+  detail::parallel_for(options.threads, g.kv_heads * blocks, [&](std::int64_t i0, std::int64_t i1) {
+    std::vector<std::uint32_t> codes(static_cast<std::size_t>(tokens_per_word * D));
+    std::vector<float> row(static_cast<std::size_t>(D));
+    const std::uint32_t* rows[16];
+    for (std::int64_t i = i0; i < i1; ++i) {
+      const std::int64_t h = i / blocks, b = i % blocks;
+      const std::int64_t t0 = b * tokens_per_word, n = std::min<std::int64_t>(tokens_per_word, T_ - t0);
+      // keys: per channel parameters of the token's group
+      detail::block_plane_rows(v, true, h, b, P, rows);
+      detail::unpack_block(rows, P, n, D, codes.data());
+      for (std::int64_t t = 0; t < n; ++t) {
+        const std::int64_t base = (h * g.key_token_groups() + (t0 + t) / g.key_group) * D;
+        const float* LYNX_RESTRICT scale = v.key_scale() + base;
+        const float* LYNX_RESTRICT zero = v.key_zero() + base;
+        const std::uint32_t* LYNX_RESTRICT c = codes.data() + t * D;
+        float* LYNX_RESTRICT r = row.data();
+        for (std::int64_t ch = 0; ch < D; ++ch)
+          r[ch] = reconstruct_from_level(static_cast<float>(c[ch] << (B - P)) + half, {scale[ch], zero[ch]});
+        for (std::int64_t ch = 0; ch < D; ++ch) keys_out(t0 + t, h, ch) = from_float<T>(r[ch]);
+      }
+      // values: per token parameters of each channel group
+      detail::block_plane_rows(v, false, h, b, P, rows);
+      detail::unpack_block(rows, P, n, D, codes.data());
+      for (std::int64_t t = 0; t < n; ++t) {
+        const std::int64_t base = (h * T_ + t0 + t) * VGs;
+        const std::uint32_t* LYNX_RESTRICT c = codes.data() + t * D;
+        float* LYNX_RESTRICT r = row.data();
+        for (std::int64_t grp = 0; grp < VGs; ++grp) {
+          const group_params p{v.value_scale()[base + grp], v.value_zero()[base + grp]};
+          for (std::int64_t ch = grp * VG; ch < grp * VG + VG; ++ch)
+            r[ch] = reconstruct_from_level(static_cast<float>(c[ch] << (B - P)) + half, p);
+        }
+        for (std::int64_t ch = 0; ch < D; ++ch) values_out(t0 + t, h, ch) = from_float<T>(r[ch]);
+      }
+    }
+  });
+}
+
+template <stream_plan_type Plan, int G, kv_element T>
+void reconstruct(const bitplane_tensor<Plan, G, host_space>& tensor, kv_view<T, host_space> keys_out,
+                 kv_view<T, host_space> values_out, const reconstruct_options& options = {}) {
+  reconstruct(tensor.view(), keys_out, values_out, options);
+}
+
+}  // namespace lynx

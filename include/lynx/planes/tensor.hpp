@@ -1,0 +1,154 @@
+// Bit-plane tensors of one layer (K and V together).
+//
+// bitplane_view<Plan, G, Space>: non-owning, the pointers to each stream's
+// payload plus the geometry and the precision level; what attention and
+// reconstruction read. bitplane_tensor<Plan, G, host_space>: the receiver-side
+// owning tensor. It accepts segments in any order and more than once, validates
+// header and checksum before anything becomes visible, and knows its current
+// precision level (the number of leading streams present). The device tensor
+// lives in backend/cuda/tensor.cuh.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <cstring>
+#include <span>
+#include <string>
+
+#include "lynx/core/buffer.hpp"
+#include "lynx/core/error.hpp"
+#include "lynx/core/memory.hpp"
+#include "lynx/planes/layout.hpp"
+#include "lynx/planes/segment.hpp"
+#include "lynx/planes/stream_plan.hpp"
+
+namespace lynx {
+
+/// A non-owning view of a layer's streams at a precision level.
+template <stream_plan_type Plan, int G = 32, memory_space Space = host_space>
+struct bitplane_view {
+  using plan = Plan;
+  using space = Space;
+  static constexpr int group_size = G;
+
+  layer_geometry geometry{};
+  std::uint32_t layer = 0;
+  int level = 0;  // streams present as a prefix: 0 (nothing usable) .. Plan::streams
+  std::array<const std::byte*, max_streams> payload{};  // [stream] -> payload bytes (nullptr when absent)
+
+  /// Planes present: the precision this view reconstructs at.
+  LYNX_HOST_DEVICE int planes() const { return geometry.plan.plane_begin(level); }
+  LYNX_HOST_DEVICE const float* key_scale() const { return reinterpret_cast<const float*>(payload[0] + geometry.key_scale_offset()); }
+  LYNX_HOST_DEVICE const float* key_zero() const { return reinterpret_cast<const float*>(payload[0] + geometry.key_zero_offset()); }
+  LYNX_HOST_DEVICE const float* value_scale() const { return reinterpret_cast<const float*>(payload[0] + geometry.value_scale_offset()); }
+  LYNX_HOST_DEVICE const float* value_zero() const { return reinterpret_cast<const float*>(payload[0] + geometry.value_zero_offset()); }
+  /// Key plane words of stream s: [kv_heads][blocks][planes of s][head_dim].
+  LYNX_HOST_DEVICE const std::uint32_t* key_planes(int s) const {
+    return reinterpret_cast<const std::uint32_t*>(payload[s] + geometry.key_planes_offset(s));
+  }
+  LYNX_HOST_DEVICE const std::uint32_t* value_planes(int s) const {
+    return reinterpret_cast<const std::uint32_t*>(payload[s] + geometry.value_planes_offset(s));
+  }
+  /// The same view at a lower precision level (at most the current one).
+  bitplane_view at_level(int l) const {
+    detail::require(l >= 1 && l <= level, errc::invalid_argument,
+                    "precision level " + std::to_string(l) + " requested, the tensor has " + std::to_string(level) + " stream(s)");
+    bitplane_view v = *this;
+    v.level = l;
+    return v;
+  }
+};
+
+/// Outcome of delivering a segment to a tensor.
+enum class accept_result : std::uint8_t {
+  accepted,   // new stream; may have raised the precision level
+  duplicate,  // the same segment was already there; nothing changed
+};
+
+template <stream_plan_type Plan, int G = 32, memory_space Space = host_space>
+class bitplane_tensor;
+
+/// Host receiver tensor of one layer.
+template <stream_plan_type Plan, int G>
+class bitplane_tensor<Plan, G, host_space> {
+ public:
+  using plan = Plan;
+  using space = host_space;
+  using view_type = bitplane_view<Plan, G, host_space>;
+  static constexpr int group_size = G;
+
+  bitplane_tensor(kv_shape shape, std::uint32_t layer, std::uint64_t generation = 0)
+      : geometry_(make_geometry<Plan, G>(shape)), layer_(layer), generation_(generation) {
+    for (int s = 0; s < Plan::streams; ++s) storage_[static_cast<std::size_t>(s)] = aligned_buffer(static_cast<std::size_t>(geometry_.payload_bytes(s)));
+  }
+
+  /// Validates and stores a segment (header + payload). On any error the tensor
+  /// is unchanged and lynx::error says what and where.
+  accept_result accept(std::span<const std::byte> segment) {
+    const segment_header h = validate_segment(segment, geometry_, layer_);
+    if (h.generation != generation_)
+      detail::fail(errc::stale_generation, "segment of layer " + std::to_string(h.layer) + " stream " + std::to_string(h.stream) +
+                                               " belongs to generation " + std::to_string(h.generation) + ", the tensor is generation " +
+                                               std::to_string(generation_));
+    const auto s = static_cast<std::size_t>(h.stream);
+    if (present_[s]) {
+      if (checksum_[s] != h.checksum)
+        detail::fail(errc::corrupted_segment, "segment of layer " + std::to_string(h.layer) + " stream " + std::to_string(h.stream) +
+                                                  " differs from the copy already received (a sender re-encoded the layer?)");
+      return accept_result::duplicate;
+    }
+    std::memcpy(storage_[s].data(), segment.data() + segment_header_bytes, storage_[s].size());
+    checksum_[s] = h.checksum;
+    present_[s] = true;
+    return accept_result::accepted;
+  }
+
+  /// Streams present as a prefix: 0 before the anchor, Plan::streams when complete.
+  [[nodiscard]] int precision_level() const noexcept {
+    int l = 0;
+    while (l < Plan::streams && present_[static_cast<std::size_t>(l)]) ++l;
+    return l;
+  }
+  [[nodiscard]] int planes_present() const noexcept { return Plan::planes_at_level(precision_level()); }
+  [[nodiscard]] bool has_stream(int s) const noexcept { return s >= 0 && s < Plan::streams && present_[static_cast<std::size_t>(s)]; }
+  [[nodiscard]] bool complete() const noexcept { return precision_level() == Plan::streams; }
+  [[nodiscard]] const layer_geometry& geometry() const noexcept { return geometry_; }
+  [[nodiscard]] kv_shape shape() const noexcept { return geometry_.shape(); }
+  [[nodiscard]] std::uint32_t layer() const noexcept { return layer_; }
+  [[nodiscard]] std::uint64_t generation() const noexcept { return generation_; }
+
+  /// View at the current precision level (or a lower one).
+  [[nodiscard]] view_type view() const { return view_at(precision_level()); }
+  [[nodiscard]] view_type view_at(int level) const {
+    detail::require(level >= 0 && level <= precision_level(), errc::invalid_argument,
+                    "precision level " + std::to_string(level) + " requested for layer " + std::to_string(layer_) + ", which has " +
+                        std::to_string(precision_level()) + " stream(s)");
+    view_type v;
+    v.geometry = geometry_;
+    v.layer = layer_;
+    v.level = level;
+    for (int s = 0; s < Plan::streams; ++s)
+      v.payload[static_cast<std::size_t>(s)] = present_[static_cast<std::size_t>(s)] ? storage_[static_cast<std::size_t>(s)].data() : nullptr;
+    return v;
+  }
+
+  /// Forgets every stream (for reuse by a new request of the same shape).
+  void reset(std::uint64_t generation) noexcept {
+    generation_ = generation;
+    present_ = {};
+    checksum_ = {};
+  }
+
+ private:
+  layer_geometry geometry_;
+  std::uint32_t layer_;
+  std::uint64_t generation_;
+  std::array<aligned_buffer, max_streams> storage_{};
+  std::array<bool, max_streams> present_{};
+  std::array<std::uint64_t, max_streams> checksum_{};
+};
+
+template <stream_plan_type Plan, int G = 32>
+using host_bitplane_tensor = bitplane_tensor<Plan, G, host_space>;
+
+}  // namespace lynx

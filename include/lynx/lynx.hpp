@@ -16,3 +16,7 @@
 #include "lynx/planes/stream_plan.hpp"
 #include "lynx/planes/tensor.hpp"
 #include "lynx/quant/quantizer.hpp"
+#include "lynx/speculation/engine.hpp"
+#include "lynx/speculation/random.hpp"
+#include "lynx/speculation/session.hpp"
+#include "lynx/speculation/verifier.hpp"

@@ -1,0 +1,237 @@
+// The progressive decode session: the state machine of DESIGN.md.
+//
+//   waiting for anchor -> drafting (up to max_draft tokens on the current precision level)
+//   -> verifying (one multi-token forward at a higher level: accept a prefix, correct
+//   the first miss, drop the tail entries of rejected drafts) -> exact decoding.
+//
+// The caller drives it: it reports the precision level available on every layer
+// (set_available_level) as segments land, and calls step() to do one unit of
+// work (one forward). Only committed tokens reach the user, through on_commit.
+// With plans of three or more streams it verifies at each level as it lands.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "lynx/core/error.hpp"
+#include "lynx/speculation/engine.hpp"
+#include "lynx/speculation/verifier.hpp"
+
+namespace lynx {
+
+/// What happens when more planes land while drafting.
+enum class landing_policy : std::uint8_t {
+  verify_now,    // stop drafting, verify at once (lowest latency to committed tokens)
+  finish_draft,  // keep drafting up to max_draft, then verify
+};
+
+struct session_options {
+  int max_draft = 8;                        // draft tokens before waiting for more planes
+  landing_policy on_landing = landing_policy::verify_now;
+  bool verify_intermediate_levels = true;   // with 3+ streams: re-check drafts at each level
+  std::int64_t max_new_tokens = 64;         // committed tokens after the prompt, the prefill's own token included
+};
+
+enum class session_state : std::uint8_t { waiting_for_anchor, drafting, waiting_for_residual, exact, finished, failed };
+
+inline const char* to_string(session_state s) {
+  switch (s) {
+    case session_state::waiting_for_anchor: return "waiting_for_anchor";
+    case session_state::drafting: return "drafting";
+    case session_state::waiting_for_residual: return "waiting_for_residual";
+    case session_state::exact: return "exact";
+    case session_state::finished: return "finished";
+    case session_state::failed: return "failed";
+  }
+  return "?";
+}
+
+/// What one step() did.
+enum class step_kind : std::uint8_t { idle, draft, verify, decode, done };
+
+struct step_result {
+  step_kind kind = step_kind::idle;
+  int level = 0;               // precision level the forward ran at
+  std::int64_t tokens = 0;     // tokens in that forward
+  std::int64_t accepted = 0;   // verify: drafts accepted
+  std::int64_t drafted = 0;    // verify: drafts checked
+  std::int64_t committed = 0;  // tokens committed by this step
+};
+
+/// Acceptance statistics of a request.
+struct session_stats {
+  std::int64_t draft_tokens = 0;       // drafts generated
+  std::int64_t verifications = 0;      // verify passes at the target level
+  std::int64_t verified_drafts = 0;    // drafts checked at the target level
+  std::int64_t accepted_drafts = 0;    // of those, accepted
+  std::int64_t forwards = 0;           // engine forwards of any kind
+  [[nodiscard]] double acceptance_rate() const { return verified_drafts ? double(accepted_drafts) / double(verified_drafts) : 0.0; }
+  [[nodiscard]] double mean_accepted_length() const { return verifications ? double(accepted_drafts) / double(verifications) : 0.0; }
+};
+
+template <decode_engine Engine, verifier_policy Verifier = greedy_verifier>
+class progressive_session {
+ public:
+  using commit_callback = std::function<void(std::int32_t token, std::int64_t position)>;
+
+  /// prompt_tokens: tokens of the prompt (their KV is the transferred cache);
+  /// first_token: the token the prefill node chose from the prompt's last logits
+  /// (exact: computed at full precision), committed at once.
+  progressive_session(Engine& engine, Verifier verifier, int target_level, std::int64_t prompt_tokens, std::int32_t first_token,
+                      session_options options = {}, commit_callback on_commit = {})
+      : engine_(engine), verifier_(std::move(verifier)), options_(options), on_commit_(std::move(on_commit)),
+        target_level_(target_level), prompt_tokens_(prompt_tokens), base_tail_(engine.tail_size()) {
+    detail::require(target_level >= 1, errc::invalid_argument, "session: target level must be at least 1");
+    detail::require(options.max_draft >= 0, errc::invalid_argument, "session: max_draft must be >= 0");
+    detail::require(options.max_new_tokens >= 1, errc::invalid_argument, "session: max_new_tokens must be >= 1");
+    vocab_ = static_cast<std::int64_t>(engine.vocab_size());
+    inputs_.push_back(first_token);
+    commit(first_token);
+  }
+
+  /// The precision level present on every layer (the minimum over layers).
+  void set_available_level(int level) {
+    detail::require(level >= available_ && level <= target_level_, errc::invalid_argument,
+                    "session: available level went from " + std::to_string(available_) + " to " + std::to_string(level) +
+                        " (target " + std::to_string(target_level_) + ")");
+    available_ = level;
+  }
+  /// A transfer failed: the session stops and reports it; nothing more is committed.
+  void fail(const std::string& why) {
+    failure_ = why;
+    state_override_failed_ = true;
+  }
+
+  [[nodiscard]] session_state state() const {
+    if (state_override_failed_) return session_state::failed;
+    if (finished()) return session_state::finished;
+    if (available_ == 0) return session_state::waiting_for_anchor;
+    if (draft_level_ == target_level_ || (draft_level_ == 0 && available_ == target_level_)) return session_state::exact;
+    if (drafts() >= options_.max_draft && available_ <= draft_level_) return session_state::waiting_for_residual;
+    return session_state::drafting;
+  }
+  [[nodiscard]] bool finished() const { return static_cast<std::int64_t>(committed_.size()) >= options_.max_new_tokens; }
+  [[nodiscard]] const std::vector<std::int32_t>& committed() const { return committed_; }
+  [[nodiscard]] const session_stats& stats() const { return stats_; }
+  [[nodiscard]] const std::string& failure() const { return failure_; }
+  [[nodiscard]] int available_level() const { return available_; }
+
+  /// One unit of work: a draft forward, a verification, or an exact decode step;
+  /// idle when it must wait for planes. Throws what the engine throws.
+  step_result step() {
+    if (state_override_failed_) detail::fail(errc::transport_failure, "session failed: " + failure_);
+    if (finished()) return {step_kind::done};
+    if (available_ == 0) return {step_kind::idle};
+    if (draft_level_ == 0) draft_level_ = available_;
+    if (draft_level_ == target_level_) return exact_step();
+    if (available_ > draft_level_) {
+      // More planes than the drafts were made with.
+      if (options_.on_landing == landing_policy::verify_now || drafts() >= options_.max_draft) {
+        if (available_ == target_level_ || options_.verify_intermediate_levels) return verify_at(available_);
+        draft_level_ = available_;  // no intermediate check: keep the drafts, go on at the better level
+      }
+    }
+    if (drafts() >= options_.max_draft) return {step_kind::idle};
+    return draft_step();
+  }
+
+ private:
+  // inputs_ = [a, d1 .. dn]: a is the last committed token whose K/V is not yet
+  // exact in the tail; d1..dn are drafts. The tail holds base_tail_ + verified_
+  // exact entries, then fed_ entries of inputs_ computed at draft_level_.
+  [[nodiscard]] std::int64_t drafts() const { return static_cast<std::int64_t>(inputs_.size()) - 1; }
+  [[nodiscard]] std::int64_t position_of_input(std::int64_t i) const { return prompt_tokens_ + verified_ + i; }
+
+  void commit(std::int32_t token) {
+    if (finished()) return;
+    const std::int64_t position = prompt_tokens_ + static_cast<std::int64_t>(committed_.size());
+    committed_.push_back(token);
+    if (on_commit_) on_commit_(token, position);
+  }
+
+  step_result draft_step() {
+    // Feed the last input; its logits propose the next draft.
+    const auto i = fed_;
+    detail::require(i == drafts(), errc::internal, "session: draft inputs out of step");
+    row_.resize(static_cast<std::size_t>(vocab_));
+    const std::int32_t token = inputs_[static_cast<std::size_t>(i)];
+    engine_.forward(std::span<const std::int32_t>(&token, 1), position_of_input(i), draft_level_, row_);
+    ++stats_.forwards;
+    ++fed_;
+    const std::int32_t d = verifier_.draft(row_, position_of_input(i + 1));
+    inputs_.push_back(d);
+    if (Verifier::needs_draft_rows) draft_rows_.insert(draft_rows_.end(), row_.begin(), row_.end());
+    ++stats_.draft_tokens;
+    return {step_kind::draft, draft_level_, 1, 0, 0, 0};
+  }
+
+  step_result verify_at(int level) {
+    const std::int64_t n = drafts();
+    engine_.drop_tail(fed_);  // every entry computed at the draft level is redone
+    rows_.resize(static_cast<std::size_t>((n + 1) * vocab_));
+    engine_.forward(inputs_, position_of_input(0), level, rows_);
+    ++stats_.forwards;
+    const std::span<const std::int32_t> draft_tokens(inputs_.data() + 1, static_cast<std::size_t>(n));
+    const verify_outcome out = verifier_.verify(draft_tokens, draft_rows_, rows_, vocab_, position_of_input(1), level);
+    const std::int64_t m = out.accepted;
+    engine_.drop_tail(n - m);  // keep a, d1..dm
+    step_result r{step_kind::verify, level, n + 1, m, n, 0};
+    if (level == target_level_) {
+      ++stats_.verifications;
+      stats_.verified_drafts += n;
+      stats_.accepted_drafts += m;
+      const std::size_t before = committed_.size();
+      for (std::int64_t i = 1; i <= m; ++i) commit(inputs_[static_cast<std::size_t>(i)]);
+      commit(out.next);
+      r.committed = static_cast<std::int64_t>(committed_.size() - before);
+      verified_ += m + 1;
+      inputs_.assign(1, out.next);
+      draft_rows_.clear();
+      fed_ = 0;
+    } else {
+      // Intermediate level: d1..dm and the correction stay drafts, now of this level.
+      inputs_.resize(static_cast<std::size_t>(m + 1));
+      inputs_.push_back(out.next);
+      if (Verifier::needs_draft_rows) draft_rows_.assign(rows_.begin(), rows_.begin() + (m + 1) * vocab_);
+      fed_ = m + 1;
+    }
+    draft_level_ = level;
+    return r;
+  }
+
+  step_result exact_step() {
+    row_.resize(static_cast<std::size_t>(vocab_));
+    const std::int32_t token = inputs_[0];
+    engine_.forward(std::span<const std::int32_t>(&token, 1), position_of_input(0), target_level_, row_);
+    ++stats_.forwards;
+    const std::int32_t next = verifier_.decide(row_, position_of_input(1));
+    ++verified_;
+    inputs_[0] = next;
+    commit(next);
+    return {step_kind::decode, target_level_, 1, 0, 0, 1};
+  }
+
+  Engine& engine_;
+  Verifier verifier_;
+  session_options options_;
+  commit_callback on_commit_;
+  int target_level_;
+  std::int64_t prompt_tokens_;
+  std::int64_t base_tail_;
+  std::int64_t vocab_ = 0;
+  int available_ = 0;
+  int draft_level_ = 0;
+  std::int64_t verified_ = 0;  // exact tail entries made by this session
+  std::int64_t fed_ = 0;       // inputs whose K/V sit in the tail at draft_level_
+  std::vector<std::int32_t> inputs_;
+  std::vector<float> draft_rows_, rows_, row_;
+  std::vector<std::int32_t> committed_;
+  session_stats stats_;
+  std::string failure_;
+  bool state_override_failed_ = false;
+};
+
+}  // namespace lynx

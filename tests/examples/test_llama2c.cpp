@@ -343,30 +343,6 @@ TEST_CASE("real model: attention policy sees the causal tail mask") {
   CHECK_THROWS_AS((void)e.decode(tokens, e.position() + 1), std::invalid_argument);
 }
 
-TEST_CASE("real model: speed") {
-  if (!real_model_available()) return;
-  const ll::weights& w = real_model();
-  const std::vector<int> prompt = ll::sample_prompt(w, 21, 400);
-  ll::engine<> e(w);
-  e.reserve(8);
-  using clock = std::chrono::steady_clock;
-  const auto t0 = clock::now();
-  std::vector<float> logits = e.prefill(prompt);
-  const auto t1 = clock::now();
-  int token = ll::argmax(logits);
-  for (int i = 0; i < 64; ++i) {
-    e.decode(std::span<const int>(&token, 1), e.position(), logits);
-    token = ll::argmax(logits);
-  }
-  const auto t2 = clock::now();
-  const double prefill_s = std::chrono::duration<double>(t1 - t0).count();
-  const double decode_s = std::chrono::duration<double>(t2 - t1).count();
-  MESSAGE("stories260K: prefill 400 tokens " << prefill_s * 1e3 << " ms (" << 400 / prefill_s
-                                             << " tok/s), decode 64 tokens " << decode_s * 1e3
-                                             << " ms (" << 64 / decode_s << " tok/s)");
-  CHECK(decode_s < 5.0);  // generous: catches pathologies, not a benchmark
-}
-
 TEST_CASE("built-in model: deterministic, varied, batch invariant") {
   const ll::weights w = ll::make_builtin_model(1234);
   const ll::config& c = w.cfg();

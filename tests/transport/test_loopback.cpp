@@ -15,7 +15,7 @@
 #include <lynx/transport/loopback.hpp>
 #include <lynx/transport/scheduler.hpp>
 
-#include "transport/transport_fixtures.hpp"
+#include "transport_fixtures.hpp"
 
 namespace {
 

@@ -11,7 +11,7 @@
 #include <lynx/transport/scheduler.hpp>
 #include <lynx/transport/simulated_link.hpp>
 
-#include "transport/transport_fixtures.hpp"
+#include "transport_fixtures.hpp"
 
 namespace {
 

@@ -343,6 +343,11 @@ class engine {
     forward(prompt, 0, kv_rows, attend, last_logits, /*logits_from=*/n - 1);
   }
 
+  // Starts a sequence on a decode node: the prompt's KV arrives from elsewhere
+  // (a Lynx attention policy reads it from its bit-plane tensors), so only the
+  // prompt length is set; the fp32 prompt region stays zero and the tail empty.
+  void begin_decode(int prompt_tokens) { cache_.reset(prompt_tokens); }
+
   [[nodiscard]] std::vector<float> prefill(std::span<const int> prompt) {
     std::vector<float> logits(static_cast<std::size_t>(cfg().vocab_size));
     prefill(prompt, logits);

@@ -20,3 +20,8 @@
 #include "lynx/speculation/random.hpp"
 #include "lynx/speculation/session.hpp"
 #include "lynx/speculation/verifier.hpp"
+#include "lynx/attention/decode_attention.hpp"
+#include "lynx/transport/concepts.hpp"
+#include "lynx/transport/loopback.hpp"
+#include "lynx/transport/scheduler.hpp"
+#include "lynx/transport/simulated_link.hpp"

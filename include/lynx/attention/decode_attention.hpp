@@ -1,0 +1,344 @@
+// Decode attention over a partly arrived KV cache: queries of consecutive
+// positions attend to a prompt (a bit-plane tensor at its current precision
+// level, reconstructed inside the dot products; or a dense bf16/float cache,
+// the 16-bit baseline; or nothing) followed by a local full-precision tail.
+//
+//   queries  [n_queries][q_heads][head_dim] float, positions prompt_tokens + tail_visible(i) - 1
+//   output   [n_queries][q_heads][head_dim] float;  lse [n_queries][q_heads] (natural log, optional)
+//   query i sees every prompt token and tail tokens [0, tail_visible(i)),
+//   tail_visible(i) = base + per_query * (i + 1)   (causal verification: per_query = 1)
+//
+// Batch invariance: each (query, kv head, split) partial state is a function of
+// that query and its context alone (fixed split size by context position, fixed
+// lane-to-token assignment, fp32 accumulation); partial states merge in context
+// order. So a query's output bits do not depend on n_queries, on the thread
+// count, or on which thread computes which split.
+//
+// Usage:
+//   lynx::attention_workspace ws(lynx::attention_problem::of(prompt_view, tail_k, queries, visibility), threads);
+//   lynx::decode_attention<> attn{};                 // default variant
+//   attn(prompt_view, tail_k, tail_v, queries, visibility, output, ws, {.threads = threads});
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <type_traits>
+
+#include "lynx/attention/tile_math.hpp"
+#include "lynx/attention/variant.hpp"
+#include "lynx/backend/host/attention_kernels.hpp"
+#include "lynx/backend/host/parallel.hpp"
+#include "lynx/core/buffer.hpp"
+#include "lynx/core/error.hpp"
+#include "lynx/core/types.hpp"
+#include "lynx/core/view.hpp"
+#include "lynx/planes/tensor.hpp"
+
+namespace lynx {
+
+/// Queries of consecutive positions: data[i][h][c], [count][q_heads][head_dim].
+struct attention_queries {
+  const float* data = nullptr;
+  std::int64_t count = 0;
+  std::int64_t q_heads = 0;
+  std::int64_t head_dim = 0;
+};
+
+/// Where results go: data [count][q_heads][head_dim]; lse [count][q_heads] or null.
+struct attention_output {
+  float* data = nullptr;
+  float* lse = nullptr;
+};
+
+/// How many tail tokens query i sees: base + per_query * (i + 1).
+struct tail_visibility {
+  std::int64_t base = 0;
+  std::int64_t per_query = 1;
+  [[nodiscard]] constexpr std::int64_t operator()(std::int64_t i) const { return base + per_query * (i + 1); }
+};
+
+/// No prompt: the context is the tail alone.
+struct no_prompt {};
+
+/// A dense prompt cache (the 16-bit baseline, or an engine that reconstructed to bf16).
+template <class T>
+struct dense_prompt {
+  kv_view<const T, host_space> keys, values;
+};
+
+enum class attention_path : std::uint8_t {
+  automatic,  // AVX-512 where the CPU has it and the shape allows, else portable
+  portable,   // plain loops (the reference walk; same bits as the AVX-512 one)
+  avx512,     // error when the CPU lacks AVX-512
+};
+
+struct attention_options {
+  int threads = 1;  // <= 0: all hardware threads
+  attention_path path = attention_path::automatic;
+};
+
+/// The shape facts a workspace is sized by.
+struct attention_problem {
+  std::int64_t n_queries = 1;
+  std::int64_t q_heads = 1;
+  std::int64_t kv_heads = 1;
+  std::int64_t head_dim = 0;
+  std::int64_t prompt_tokens = 0;
+  std::int64_t max_tail_visible = 0;
+  std::int64_t value_groups = 1;  // value channel groups per token of a bit-plane prompt (1 otherwise)
+
+  [[nodiscard]] std::int64_t prompt_splits() const { return ceil_div(prompt_tokens, attention_split_tokens); }
+  [[nodiscard]] std::int64_t tail_splits() const { return ceil_div(max_tail_visible, attention_split_tokens); }
+  [[nodiscard]] std::int64_t splits() const { return prompt_splits() + tail_splits(); }
+  [[nodiscard]] std::int64_t group_heads() const { return q_heads / kv_heads; }
+  /// Floats of the partial states: [n_queries][kv_heads][splits][group heads] x (m, l, acc[head_dim]).
+  [[nodiscard]] std::int64_t partial_floats() const { return n_queries * kv_heads * splits() * group_heads() * (head_dim + 2); }
+};
+
+namespace detail {
+
+template <class P>
+struct prompt_traits {
+  static constexpr bool valid = false;
+};
+template <>
+struct prompt_traits<no_prompt> {
+  static constexpr bool valid = true;
+};
+template <stream_plan_type Plan, int G>
+struct prompt_traits<bitplane_view<Plan, G, host_space>> {
+  static constexpr bool valid = true;
+};
+template <class T>
+struct prompt_traits<dense_prompt<T>> {
+  static constexpr bool valid = kv_element<T>;
+};
+
+}  // namespace detail
+
+/// A prompt the host attention reads: no_prompt, a host bitplane_view, or a dense_prompt<bf16|float|fp16>.
+template <class P>
+concept host_attention_prompt = detail::prompt_traits<std::remove_cvref_t<P>>::valid;
+
+/// Caller-owned scratch of the attention: sized once (not on the hot path),
+/// then reused by every call whose problem fits.
+class attention_workspace {
+ public:
+  attention_workspace() = default;
+  attention_workspace(const attention_problem& p, int threads) { reserve(p, threads); }
+
+  static std::size_t bytes_needed(const attention_problem& p, int threads) {
+    const int t = threads <= 0 ? detail::hardware_threads() : threads;
+    const std::int64_t per_thread = detail::split_scratch_floats(p.group_heads(), p.head_dim, p.value_groups) + 64;
+    return static_cast<std::size_t>((p.partial_floats() + 16 + per_thread * t) * 4);
+  }
+  /// Grows the buffer to fit (allocates only when it is too small).
+  void reserve(const attention_problem& p, int threads) {
+    const std::size_t n = bytes_needed(p, threads);
+    if (n > buffer_.size()) buffer_ = aligned_buffer(n);
+  }
+  [[nodiscard]] std::size_t size() const noexcept { return buffer_.size(); }
+  [[nodiscard]] float* data() noexcept { return reinterpret_cast<float*>(buffer_.data()); }
+
+ private:
+  aligned_buffer buffer_;
+};
+
+namespace detail {
+
+inline void check_tail(const attention_queries& q, std::int64_t kv_heads, const kv_shape& tk, const kv_shape& tv, bool tail_present) {
+  if (!tail_present) return;
+  require(tk == tv, errc::shape_mismatch, "attention: tail keys " + to_string(tk) + " and tail values " + to_string(tv) + " differ");
+  require(tk.tokens == 0 || (tk.kv_heads == kv_heads && tk.head_dim == q.head_dim), errc::shape_mismatch,
+          "attention: tail " + to_string(tk) + " does not match kv_heads=" + std::to_string(kv_heads) +
+              " and the queries' head_dim=" + std::to_string(q.head_dim));
+}
+
+}  // namespace detail
+
+/// The decode attention functor; Variant sets the softmax scale, soft-cap and window.
+template <class Variant = default_variant>
+class decode_attention {
+  static_assert(attention_variant<Variant>,
+                "decode_attention: Variant must model lynx::attention_variant: a nested `variant_tag`, "
+                "query_scale(int), a static constexpr bool has_logit_transform, transform_logit(float) and window()");
+
+ public:
+  Variant variant{};
+
+  /// The problem of a call, for sizing a workspace.
+  template <class Prompt, class TailT>
+  static attention_problem problem(const Prompt& prompt, const kv_view<const TailT, host_space>& tail_keys, const attention_queries& q,
+                                   tail_visibility vis) {
+    attention_problem p;
+    p.n_queries = q.count;
+    p.q_heads = q.q_heads;
+    p.head_dim = q.head_dim;
+    p.max_tail_visible = q.count > 0 ? std::max(vis(0), vis(q.count - 1)) : 0;
+    if constexpr (std::is_same_v<Prompt, no_prompt>) {
+      p.kv_heads = tail_keys.shape.kv_heads;
+    } else if constexpr (requires { prompt.geometry; }) {
+      p.kv_heads = prompt.geometry.kv_heads;
+      p.prompt_tokens = prompt.geometry.tokens;
+      p.value_groups = prompt.geometry.value_channel_groups();
+    } else {
+      p.kv_heads = prompt.keys.shape.kv_heads;
+      p.prompt_tokens = prompt.keys.shape.tokens;
+    }
+    if (p.kv_heads <= 0) p.kv_heads = 1;
+    return p;
+  }
+
+  template <class Prompt, class TailT>
+  void operator()(const Prompt& prompt, kv_view<const TailT, host_space> tail_keys, kv_view<const TailT, host_space> tail_values,
+                  const attention_queries& q, tail_visibility vis, attention_output out, attention_workspace& ws,
+                  const attention_options& options = {}) const {
+    static_assert(host_attention_prompt<Prompt>,
+                  "decode_attention: the prompt must be lynx::no_prompt, a lynx::bitplane_view<Plan, G, host_space> "
+                  "or a lynx::dense_prompt<T> (T = float, bf16 or fp16)");
+    static_assert(std::is_same_v<TailT, float> || std::is_same_v<TailT, bf16>, "decode_attention: the tail holds float or bf16");
+    const attention_problem p = problem(prompt, tail_keys, q, vis);
+    validate(prompt, tail_keys, tail_values, q, vis, out, p);
+    const std::size_t need = attention_workspace::bytes_needed(p, options.threads);
+    detail::require(ws.size() >= need, errc::invalid_argument,
+                    "attention: workspace of " + std::to_string(ws.size()) + " bytes, this call needs " + std::to_string(need) +
+                        " (size it with attention_workspace::reserve before the hot loop)");
+    bool simd = options.path != attention_path::portable && detail::host_has_avx512();
+    if (options.path == attention_path::avx512)
+      detail::require(detail::host_has_avx512(), errc::invalid_argument, "attention: AVX-512 path requested on a CPU without AVX-512F/BW");
+    if (q.count == 0) return;
+
+    if constexpr (std::is_same_v<Prompt, no_prompt>) {
+      run(p, static_cast<const detail::dense_kv_source<TailT>*>(nullptr), tail_keys, tail_values, q, vis, out, ws, options, simd);
+    } else if constexpr (requires { prompt.geometry; }) {
+      using view_t = std::remove_cvref_t<Prompt>;
+      const detail::plane_kv_source<typename view_t::plan, view_t::group_size> src{prompt, prompt.planes()};
+      run(p, &src, tail_keys, tail_values, q, vis, out, ws, options, simd);
+    } else {
+      using T = std::remove_const_t<typename decltype(prompt.keys)::element_type>;
+      const detail::dense_kv_source<T> src{prompt.keys, prompt.values};
+      run(p, &src, tail_keys, tail_values, q, vis, out, ws, options, simd);
+    }
+  }
+
+ private:
+  template <class Prompt, class TailT>
+  static void validate(const Prompt& prompt, const kv_view<const TailT, host_space>& tk, const kv_view<const TailT, host_space>& tv,
+                       const attention_queries& q, tail_visibility vis, const attention_output& out, const attention_problem& p) {
+    using detail::require;
+    require(q.count >= 0 && q.q_heads >= 1 && q.head_dim >= 1, errc::shape_mismatch,
+            "attention: queries need q_heads >= 1 and head_dim >= 1, got count=" + std::to_string(q.count) +
+                " q_heads=" + std::to_string(q.q_heads) + " head_dim=" + std::to_string(q.head_dim));
+    require(q.count == 0 || (q.data != nullptr && out.data != nullptr), errc::invalid_argument, "attention: null query or output data");
+    if constexpr (requires { prompt.geometry; }) {
+      require(prompt.level >= 1, errc::invalid_argument,
+              "attention: prompt layer " + std::to_string(prompt.layer) + " has no anchor yet (precision level 0)");
+      require(prompt.geometry.head_dim == q.head_dim, errc::shape_mismatch,
+              "attention: queries have head_dim " + std::to_string(q.head_dim) + " but the prompt has head_dim " +
+                  std::to_string(prompt.geometry.head_dim));
+    } else if constexpr (!std::is_same_v<Prompt, no_prompt>) {
+      require(prompt.keys.shape == prompt.values.shape, errc::shape_mismatch,
+              "attention: prompt keys " + to_string(prompt.keys.shape) + " and values " + to_string(prompt.values.shape) + " differ");
+      require(prompt.keys.shape.head_dim == q.head_dim, errc::shape_mismatch,
+              "attention: queries have head_dim " + std::to_string(q.head_dim) + " but the prompt has head_dim " +
+                  std::to_string(prompt.keys.shape.head_dim));
+    }
+    require(q.q_heads % p.kv_heads == 0, errc::shape_mismatch,
+            "attention: q_heads " + std::to_string(q.q_heads) + " is not a multiple of kv_heads " + std::to_string(p.kv_heads));
+    const bool tail_used = p.max_tail_visible > 0 || tk.shape.tokens > 0;
+    detail::check_tail(q, p.kv_heads, tk.shape, tv.shape, tail_used);
+    if (q.count > 0) {
+      const std::int64_t lo = std::min(vis(0), vis(q.count - 1));
+      require(lo >= 0 && p.max_tail_visible <= tk.shape.tokens, errc::shape_mismatch,
+              "attention: queries see tail tokens up to " + std::to_string(p.max_tail_visible) + " (and at least " +
+                  std::to_string(lo) + "), the tail holds " + std::to_string(tk.shape.tokens));
+      require(p.prompt_tokens + lo >= 1, errc::invalid_argument, "attention: a query would see no token at all (no prompt, empty tail)");
+    }
+    require(!(p.max_tail_visible > 0) || tk.data != nullptr, errc::invalid_argument, "attention: null tail data");
+  }
+
+  template <class Source, class TailT>
+  void run(const attention_problem& p, const Source* prompt_src, kv_view<const TailT, host_space> tail_keys,
+           kv_view<const TailT, host_space> tail_values, const attention_queries& q, tail_visibility vis, attention_output out,
+           attention_workspace& ws, const attention_options& options, bool simd) const {
+    const int D = static_cast<int>(p.head_dim);
+    const int heads = static_cast<int>(p.group_heads());
+    const std::int64_t splits = p.splits(), prompt_splits = p.prompt_splits();
+    const detail::dense_kv_source<TailT> tail{tail_keys, tail_values};
+    const bool prompt_simd = simd && prompt_src != nullptr && detail::avx512_supports(*prompt_src);
+    const bool tail_simd = simd && p.max_tail_visible > 0 && detail::avx512_supports(tail);
+    const float qscale = variant.query_scale(D);
+    const std::int64_t window = variant.window();
+    float* partials = ws.data();
+    const std::int64_t stride_state = D + 2;
+    float* scratch_base = partials + p.partial_floats() + 16;
+    const std::int64_t per_thread = detail::split_scratch_floats(heads, D, p.value_groups) + 64;
+    const int threads = options.threads <= 0 ? detail::hardware_threads() : options.threads;
+
+    // work items: (query, kv head, split)
+    const std::int64_t items = q.count * p.kv_heads * splits;
+    detail::parallel_for(threads, threads, [&](std::int64_t w0, std::int64_t w1) {
+      for (std::int64_t worker = w0; worker < w1; ++worker) {
+        const detail::split_scratch w = detail::carve_scratch(scratch_base + worker * per_thread, heads, D, p.value_groups);
+        const std::int64_t i0 = items * worker / threads, i1 = items * (worker + 1) / threads;
+        for (std::int64_t item = i0; item < i1; ++item) {
+          const std::int64_t i = item / (p.kv_heads * splits);
+          const std::int64_t g = (item / splits) % p.kv_heads;
+          const std::int64_t s = item % splits;
+          float* state = partials + ((i * p.kv_heads + g) * splits + s) * heads * stride_state;
+          float* m = state;                // [heads]
+          float* l = state + heads;        // [heads]
+          float* acc = state + 2 * heads;  // [heads][D]
+          const std::int64_t visible = vis(i);
+          const std::int64_t qpos = p.prompt_tokens + visible - 1;
+          const std::int64_t first_pos = window > 0 ? qpos - window + 1 : 0;
+          const float* qrow = q.data + (i * q.q_heads + g * heads) * D;
+          float* qsc = w.queries;
+          for (std::int64_t k = 0; k < heads * D; ++k) qsc[k] = qrow[k] * qscale;
+          std::int64_t t0, t1, first_visible;
+          const bool in_prompt = s < prompt_splits;
+          if (in_prompt) {
+            t0 = s * attention_split_tokens;
+            t1 = std::min(p.prompt_tokens, t0 + attention_split_tokens);
+            first_visible = first_pos;
+          } else {
+            t0 = (s - prompt_splits) * attention_split_tokens;
+            t1 = std::min(visible, t0 + attention_split_tokens);
+            first_visible = first_pos - p.prompt_tokens;
+          }
+          if (t1 <= t0 || first_visible >= t1) {
+            for (int h = 0; h < heads; ++h) {
+              m[h] = attention_neg_inf;
+              l[h] = 0.0f;
+            }
+            continue;
+          }
+          if (in_prompt) {
+            detail::compute_split(*prompt_src, g, qsc, heads, t0, t1, first_visible, variant, prompt_simd, w, m, l, acc);
+          } else {
+            detail::compute_split(tail, g, qsc, heads, t0, t1, first_visible, variant, tail_simd, w, m, l, acc);
+          }
+        }
+      }
+    });
+    // combine in context order: prompt splits, then tail splits
+    for (std::int64_t i = 0; i < q.count; ++i)
+      for (std::int64_t g = 0; g < p.kv_heads; ++g)
+        for (int h = 0; h < heads; ++h) {
+          float* o = out.data + (i * q.q_heads + g * heads + h) * D;
+          float mm = attention_neg_inf, ll = 0.0f;
+          for (int c = 0; c < D; ++c) o[c] = 0.0f;
+          for (std::int64_t s = 0; s < splits; ++s) {
+            const float* state = partials + ((i * p.kv_heads + g) * splits + s) * heads * stride_state;
+            merge_partial_state(mm, ll, o, state[h], state[heads + h], state + 2 * heads + h * D, D);
+          }
+          const float inv = 1.0f / ll;
+          for (int c = 0; c < D; ++c) o[c] *= inv;
+          if (out.lse) out.lse[i * q.q_heads + g * heads + h] = (mm + std::log2(ll)) * attention_ln2;
+        }
+  }
+};
+
+}  // namespace lynx

@@ -1,0 +1,566 @@
+// Host kernels of decode attention: how one split of a context is walked for
+// one query and one kv head (all query heads of the group at once, so every
+// K/V row is read once for the group). The math comes from
+// attention/tile_math.hpp; this file only walks the data.
+//
+// Two paths, chosen at run time: a portable one (plain loops) and an AVX-512
+// one (function-level target attributes, used when the CPU has AVX-512F/BW).
+// Both evaluate the same operations in the same order, lane by lane:
+//  - bit-plane keys: lane = token; score = bias + sum_c qs[c] * code[c] in channel order;
+//  - bit-plane values and dense values: lane = channel; acc += w[t] * v[t] in token order;
+//  - dense keys: 16 channel lanes summed in channel order, then a halving tree;
+//  - l = fixed_order_sum(p); p = attention_exp2(s2 - m).
+// so the two paths give the same bits (the tests check it).
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "lynx/attention/tile_math.hpp"
+#include "lynx/core/config.hpp"
+#include "lynx/core/types.hpp"
+#include "lynx/core/view.hpp"
+#include "lynx/planes/layout.hpp"
+#include "lynx/planes/stream_plan.hpp"
+#include "lynx/planes/tensor.hpp"
+
+#if (defined(__x86_64__) || defined(_M_X64)) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define LYNX_HOST_AVX512 1
+#define LYNX_AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,fma")))
+#else
+#define LYNX_HOST_AVX512 0
+#endif
+
+namespace lynx::detail {
+
+/// True when this CPU runs the AVX-512 kernels.
+inline bool host_has_avx512() {
+#if LYNX_HOST_AVX512
+  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+  return yes;
+#else
+  return false;
+#endif
+}
+
+/// A bit-plane prompt at `planes` planes of Plan::bits.
+template <stream_plan_type Plan, int G>
+struct plane_kv_source {
+  bitplane_view<Plan, G, host_space> view;
+  int planes = 0;
+  [[nodiscard]] std::int64_t tokens() const { return view.geometry.tokens; }
+  [[nodiscard]] int head_dim() const { return static_cast<int>(view.geometry.head_dim); }
+  // Pointers to plane j's words [head_dim] of block (h, b), j < planes, across streams.
+  void block_rows(bool keys, std::int64_t h, std::int64_t b, const std::uint32_t** rows) const {
+    const layer_geometry& g = view.geometry;
+    int j = 0;
+    for (int s = 0; j < planes; ++s) {
+      const std::uint32_t* base = keys ? view.key_planes(s) : view.value_planes(s);
+      for (int jl = 0; jl < g.planes_in(s) && j < planes; ++jl, ++j) rows[j] = base + g.word_index(s, h, b, jl, 0);
+    }
+  }
+  [[nodiscard]] float level_unit() const { return static_cast<float>(1u << (Plan::bits - planes)); }
+  [[nodiscard]] float half() const { return midpoint_offset<Plan::bits>(planes); }
+};
+
+/// Full-precision K/V (engine tail, or the 16-bit baseline's prompt).
+template <class T>
+struct dense_kv_source {
+  kv_view<const T, host_space> keys, values;
+  [[nodiscard]] std::int64_t tokens() const { return keys.shape.tokens; }
+  [[nodiscard]] int head_dim() const { return static_cast<int>(keys.shape.head_dim); }
+};
+
+/// Scratch of one worker, in floats; see split_scratch_floats.
+struct split_scratch {
+  float* scores;   // [heads][S]: logits, then p
+  float* qs;       // [heads][head_dim]: folded query of the current key group
+  float* bias;     // [heads]
+  float* weights;  // [heads][value groups][S]: value weights of the split
+  float* offsets;  // [heads][value groups]
+  float* tile;     // [head_dim][32]: codes of one key block, lane = token
+  float* queries;  // [heads][head_dim]: the group's queries times the softmax scale
+};
+
+/// Floats of one worker's scratch for `heads` query heads per kv head, and
+/// `value_groups` value channel groups per token.
+inline std::int64_t split_scratch_floats(std::int64_t heads, std::int64_t head_dim, std::int64_t value_groups) {
+  const std::int64_t S = attention_split_tokens;
+  return heads * S + heads * head_dim + heads + heads * value_groups * S + heads * value_groups + head_dim * attention_block_tokens +
+         heads * head_dim + 7 * 16;
+}
+
+inline split_scratch carve_scratch(float* base, std::int64_t heads, std::int64_t head_dim, std::int64_t value_groups) {
+  const std::int64_t S = attention_split_tokens;
+  auto align = [](float* p) { return reinterpret_cast<float*>((reinterpret_cast<std::uintptr_t>(p) + 63) & ~std::uintptr_t{63}); };
+  split_scratch s;
+  s.scores = align(base);
+  s.qs = align(s.scores + heads * S);
+  s.bias = align(s.qs + heads * head_dim);
+  s.weights = align(s.bias + heads);
+  s.offsets = align(s.weights + heads * value_groups * S);
+  s.tile = align(s.offsets + heads * value_groups);
+  s.queries = align(s.tile + head_dim * attention_block_tokens);
+  return s;
+}
+
+// ---------------------------------------------------------------------------
+// Portable kernels.
+// ---------------------------------------------------------------------------
+
+/// Logits of tokens [t0, t1) of a bit-plane prompt: scores[h][t - t0].
+template <stream_plan_type Plan, int G>
+void score_tokens_portable(const plane_kv_source<Plan, G>& src, std::int64_t kv_head, const float* q, int heads, std::int64_t t0,
+                           std::int64_t t1, const split_scratch& w) {
+  const layer_geometry& g = src.view.geometry;
+  const int D = static_cast<int>(g.head_dim);
+  const float unit = src.level_unit(), half = src.half();
+  const std::uint32_t* rows[16];
+  std::int64_t folded_group = -1;
+  for (std::int64_t b = t0 / attention_block_tokens; b * attention_block_tokens < t1; ++b) {
+    src.block_rows(true, kv_head, b, rows);
+    const std::int64_t tb = b * attention_block_tokens;
+    for (std::int64_t t = std::max(tb, t0); t < std::min(tb + attention_block_tokens, t1); ++t) {
+      const std::int64_t grp = t / G;
+      if (grp != folded_group) {
+        const std::int64_t base = (kv_head * g.key_token_groups() + grp) * D;
+        for (int h = 0; h < heads; ++h)
+          w.bias[h] = fold_query_into_key_group(q + h * D, src.view.key_scale() + base, src.view.key_zero() + base, D, unit, half,
+                                                w.qs + h * D);
+        folded_group = grp;
+      }
+      for (int h = 0; h < heads; ++h)
+        w.scores[h * attention_split_tokens + (t - t0)] =
+            key_token_score(w.qs + h * D, w.bias[h], rows, src.planes, D, static_cast<int>(t - tb));
+    }
+  }
+}
+
+/// Value weights of tokens [t0, t1) (shared by both paths): weights[h][grp][t - t0]
+/// and offsets[h][grp] = sum_t p * (scale * half + zero), in token order.
+template <stream_plan_type Plan, int G>
+void value_weights(const plane_kv_source<Plan, G>& src, std::int64_t kv_head, int heads, std::int64_t t0, std::int64_t t1,
+                   const split_scratch& w) {
+  const layer_geometry& g = src.view.geometry;
+  const std::int64_t groups = g.value_channel_groups();
+  const float unit = src.level_unit(), half = src.half();
+  const float* vs = src.view.value_scale() + kv_head * g.tokens * groups;
+  const float* vz = src.view.value_zero() + kv_head * g.tokens * groups;
+  for (int h = 0; h < heads; ++h)
+    for (std::int64_t grp = 0; grp < groups; ++grp) {
+      const float* p = w.scores + h * attention_split_tokens;
+      float* out = w.weights + (h * groups + grp) * attention_split_tokens;
+      float offset = 0.0f;
+      for (std::int64_t t = t0; t < t1; ++t) {
+        const value_token_weight vw = fold_value_token(p[t - t0], vs[t * groups + grp], vz[t * groups + grp], unit, half);
+        out[t - t0] = vw.weight;
+        offset += vw.offset;
+      }
+      w.offsets[h * groups + grp] = offset;
+    }
+}
+
+/// acc[h][c] = offsets[h][grp(c)] + sum_t weights[h][grp(c)][t] * code(t, c), t in order.
+template <stream_plan_type Plan, int G>
+void accumulate_values_portable(const plane_kv_source<Plan, G>& src, std::int64_t kv_head, int heads, std::int64_t t0,
+                                std::int64_t t1, float* acc, const split_scratch& w) {
+  const layer_geometry& g = src.view.geometry;
+  const int D = static_cast<int>(g.head_dim);
+  const std::int64_t groups = g.value_channel_groups(), VG = g.value_group;
+  std::fill(acc, acc + heads * D, 0.0f);
+  const std::uint32_t* rows[16];
+  for (std::int64_t b = t0 / attention_block_tokens; b * attention_block_tokens < t1; ++b) {
+    src.block_rows(false, kv_head, b, rows);
+    const std::int64_t tb = b * attention_block_tokens;
+    for (std::int64_t t = std::max(tb, t0); t < std::min(tb + attention_block_tokens, t1); ++t)
+      for (int c = 0; c < D; ++c) {
+        std::uint32_t k = 0;
+        for (int j = 0; j < src.planes; ++j) k = (k << 1) | token_bit(rows[j][c], static_cast<int>(t - tb));
+        const float code = static_cast<float>(k);
+        for (int h = 0; h < heads; ++h)
+          acc[h * D + c] = detail::fused_multiply_add(w.weights[(h * groups + c / VG) * attention_split_tokens + (t - t0)], code, acc[h * D + c]);
+      }
+  }
+  for (int h = 0; h < heads; ++h)
+    for (int c = 0; c < D; ++c) acc[h * D + c] += w.offsets[h * groups + c / VG];
+}
+
+/// Dense score in the fixed order: 16 lanes over channels c = l (mod 16), then a halving tree.
+template <class T>
+float dense_score(const float* q, const T* k, std::int64_t channel_stride, int D) {
+  float lane[attention_reduction_lanes] = {};
+  for (int c = 0; c < D; ++c) lane[c % attention_reduction_lanes] = detail::fused_multiply_add(q[c], to_float(k[c * channel_stride]), lane[c % attention_reduction_lanes]);
+  for (int wdt = attention_reduction_lanes / 2; wdt >= 1; wdt /= 2)
+    for (int l = 0; l < wdt; ++l) lane[l] += lane[l + wdt];
+  return lane[0];
+}
+
+template <class T>
+void score_tokens_portable(const dense_kv_source<T>& src, std::int64_t kv_head, const float* q, int heads, std::int64_t t0,
+                           std::int64_t t1, const split_scratch& w) {
+  const int D = src.head_dim();
+  for (std::int64_t t = t0; t < t1; ++t) {
+    const T* k = &src.keys(t, kv_head, 0);
+    for (int h = 0; h < heads; ++h)
+      w.scores[h * attention_split_tokens + (t - t0)] = dense_score(q + h * D, k, src.keys.channel_stride, D);
+  }
+}
+
+template <class T>
+void accumulate_values_portable(const dense_kv_source<T>& src, std::int64_t kv_head, int heads, std::int64_t t0, std::int64_t t1,
+                                float* acc, const split_scratch& w) {
+  const int D = src.head_dim();
+  std::fill(acc, acc + heads * D, 0.0f);
+  for (std::int64_t t = t0; t < t1; ++t) {
+    const T* v = &src.values(t, kv_head, 0);
+    for (int h = 0; h < heads; ++h) {
+      const float p = w.scores[h * attention_split_tokens + (t - t0)];
+      for (int c = 0; c < D; ++c) acc[h * D + c] = detail::fused_multiply_add(p, to_float(v[c * src.values.channel_stride]), acc[h * D + c]);
+    }
+  }
+}
+
+/// p = exp2(s2 - m) over n scores, in place.
+inline void exp2_shifted_portable(float* s, std::int64_t n, float m) {
+  for (std::int64_t i = 0; i < n; ++i) s[i] = attention_exp2(s[i] - m);
+}
+
+// ---------------------------------------------------------------------------
+// AVX-512 kernels.
+// ---------------------------------------------------------------------------
+#if LYNX_HOST_AVX512
+// GCC 12's AVX-512 headers build "undefined" vectors from self-initialised
+// locals, which -Wuninitialized reports once inlined into target functions.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+
+LYNX_AVX512_TARGET inline __m512 exp2_avx512(__m512 x) {
+  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.0f), _CMP_GT_OQ);
+  const __m512 magic = _mm512_set1_ps(12582912.0f);
+  const __m512 n = _mm512_sub_ps(_mm512_add_ps(x, magic), magic);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(1.5252733804059840e-05f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530393381609e-04f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-03f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-03f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-02f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-01f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-01f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(_mm512_maskz_mov_ps(live, n)), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mul_ps(live, p, _mm512_castsi512_ps(e));
+}
+
+LYNX_AVX512_TARGET inline void exp2_shifted_avx512(float* s, std::int64_t n, float m) {
+  const __m512 mv = _mm512_set1_ps(m);
+  std::int64_t i = 0;
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(s + i, exp2_avx512(_mm512_sub_ps(_mm512_loadu_ps(s + i), mv)));
+  if (i < n) {
+    const __mmask16 k = static_cast<__mmask16>((1u << (n - i)) - 1u);
+    _mm512_mask_storeu_ps(s + i, k, exp2_avx512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + i), mv)));
+  }
+}
+
+/// Codes of one key block into tile[c][32] (lane = token), for P planes:
+/// plane j's bit of token t is rotated to bit P-1-j and merged.
+LYNX_AVX512_TARGET inline void decode_key_block_avx512(const std::uint32_t* const* rows, int planes, int D, float* tile) {
+  __m512i rot[16][2];
+  __m512i bit[16];
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  for (int j = 0; j < planes; ++j) {
+    const int pos = planes - 1 - j;
+    rot[j][0] = _mm512_and_si512(_mm512_sub_epi32(_mm512_set1_epi32(pos), lane), _mm512_set1_epi32(31));
+    rot[j][1] = _mm512_and_si512(_mm512_sub_epi32(_mm512_set1_epi32(pos - 16), lane), _mm512_set1_epi32(31));
+    bit[j] = _mm512_set1_epi32(1 << pos);
+  }
+  for (int c = 0; c < D; ++c) {
+    __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
+    for (int j = 0; j < planes; ++j) {
+      const __m512i wv = _mm512_set1_epi32(static_cast<int>(rows[j][c]));
+      lo = _mm512_ternarylogic_epi32(lo, _mm512_rolv_epi32(wv, rot[j][0]), bit[j], 0xF8);
+      hi = _mm512_ternarylogic_epi32(hi, _mm512_rolv_epi32(wv, rot[j][1]), bit[j], 0xF8);
+    }
+    _mm512_store_ps(tile + c * 32, _mm512_cvtepi32_ps(lo));
+    _mm512_store_ps(tile + c * 32 + 16, _mm512_cvtepi32_ps(hi));
+  }
+}
+
+/// scores of up to 4 heads against one decoded key block: s = bias + sum_c qs[c] * code[c], channel order.
+template <int HC>
+LYNX_AVX512_TARGET inline void score_block_avx512(const float* tile, int D, const float* qs, const float* bias, float* out) {
+  __m512 a[HC][2];
+  for (int h = 0; h < HC; ++h) a[h][0] = a[h][1] = _mm512_set1_ps(bias[h]);
+  for (int c = 0; c < D; ++c) {
+    const __m512 k0 = _mm512_load_ps(tile + c * 32), k1 = _mm512_load_ps(tile + c * 32 + 16);
+    for (int h = 0; h < HC; ++h) {
+      const __m512 qv = _mm512_set1_ps(qs[h * D + c]);
+      a[h][0] = _mm512_fmadd_ps(qv, k0, a[h][0]);
+      a[h][1] = _mm512_fmadd_ps(qv, k1, a[h][1]);
+    }
+  }
+  for (int h = 0; h < HC; ++h) {
+    _mm512_storeu_ps(out + h * attention_split_tokens, a[h][0]);
+    _mm512_storeu_ps(out + h * attention_split_tokens + 16, a[h][1]);
+  }
+}
+
+template <stream_plan_type Plan, int G>
+LYNX_AVX512_TARGET void score_tokens_avx512(const plane_kv_source<Plan, G>& src, std::int64_t kv_head, const float* q, int heads,
+                                            std::int64_t t0, std::int64_t t1, const split_scratch& w) {
+  const layer_geometry& g = src.view.geometry;
+  const int D = static_cast<int>(g.head_dim);
+  const float unit = src.level_unit(), half = src.half();
+  const std::uint32_t* rows[16];
+  std::int64_t folded_group = -1;
+  for (std::int64_t b = t0 / attention_block_tokens; b * attention_block_tokens < t1; ++b) {
+    const std::int64_t tb = b * attention_block_tokens;
+    const std::int64_t grp = tb / G;  // G % 32 == 0: one key group per block
+    if (grp != folded_group) {
+      const std::int64_t base = (kv_head * g.key_token_groups() + grp) * D;
+      for (int h = 0; h < heads; ++h)
+        w.bias[h] = fold_query_into_key_group(q + h * D, src.view.key_scale() + base, src.view.key_zero() + base, D, unit, half,
+                                              w.qs + h * D);
+      folded_group = grp;
+    }
+    src.block_rows(true, kv_head, b, rows);
+    decode_key_block_avx512(rows, src.planes, D, w.tile);
+    float* out = w.scores + (tb - t0);
+    int h = 0;
+    for (; h + 4 <= heads; h += 4) score_block_avx512<4>(w.tile, D, w.qs + h * D, w.bias + h, out + h * attention_split_tokens);
+    switch (heads - h) {
+      case 1: score_block_avx512<1>(w.tile, D, w.qs + h * D, w.bias + h, out + h * attention_split_tokens); break;
+      case 2: score_block_avx512<2>(w.tile, D, w.qs + h * D, w.bias + h, out + h * attention_split_tokens); break;
+      case 3: score_block_avx512<3>(w.tile, D, w.qs + h * D, w.bias + h, out + h * attention_split_tokens); break;
+      default: break;
+    }
+  }
+}
+
+/// Values of one 16-channel chunk for HC heads over tokens [t0, t1), lane = channel, token order.
+template <int HC, stream_plan_type Plan, int G>
+LYNX_AVX512_TARGET void accumulate_chunk_avx512(const plane_kv_source<Plan, G>& src, std::int64_t kv_head, std::int64_t t0,
+                                                std::int64_t t1, int c0, const float* weights /*[HC][groups][S]*/, std::int64_t groups,
+                                                float* acc /*[HC][D]*/, int D) {
+  const std::int64_t grp = c0 / src.view.geometry.value_group;
+  __m512 a[HC];
+  for (int h = 0; h < HC; ++h) a[h] = _mm512_setzero_ps();
+  const std::uint32_t* rows[16];
+  __m512i plane[16], bit[16];
+  const int P = src.planes;
+  for (int j = 0; j < P; ++j) bit[j] = _mm512_set1_epi32(1 << (P - 1 - j));
+  for (std::int64_t b = t0 / attention_block_tokens; b * attention_block_tokens < t1; ++b) {
+    src.block_rows(false, kv_head, b, rows);
+    // plane j rotated left by its bit position: token t's bit sits at t + pos (mod 32)
+    for (int j = 0; j < P; ++j) plane[j] = _mm512_rolv_epi32(_mm512_loadu_si512(rows[j] + c0), _mm512_set1_epi32(P - 1 - j));
+    const std::int64_t tb = b * attention_block_tokens;
+    const std::int64_t te = std::min(tb + attention_block_tokens, t1);
+    for (std::int64_t t = std::max(tb, t0); t < te; ++t) {
+      const __m512i r = _mm512_set1_epi32(static_cast<int>(t - tb));
+      __m512i code = _mm512_setzero_si512();
+      for (int j = 0; j < P; ++j) code = _mm512_ternarylogic_epi32(code, _mm512_rorv_epi32(plane[j], r), bit[j], 0xF8);
+      const __m512 cf = _mm512_cvtepi32_ps(code);
+      for (int h = 0; h < HC; ++h)
+        a[h] = _mm512_fmadd_ps(_mm512_set1_ps(weights[(h * groups + grp) * attention_split_tokens + (t - t0)]), cf, a[h]);
+    }
+  }
+  for (int h = 0; h < HC; ++h) _mm512_storeu_ps(acc + h * D + c0, a[h]);
+}
+
+template <stream_plan_type Plan, int G>
+LYNX_AVX512_TARGET void accumulate_values_avx512(const plane_kv_source<Plan, G>& src, std::int64_t kv_head, int heads, std::int64_t t0,
+                                                 std::int64_t t1, float* acc, const split_scratch& w) {
+  const layer_geometry& g = src.view.geometry;
+  const int D = static_cast<int>(g.head_dim);
+  const std::int64_t groups = g.value_channel_groups(), VG = g.value_group;
+  const std::int64_t hstride = groups * attention_split_tokens;
+  for (int h = 0; h < heads;) {
+    const int hc = std::min(8, heads - h);
+    const float* wts = w.weights + h * hstride;
+    float* a = acc + h * D;
+    for (int c0 = 0; c0 < D; c0 += 16) {
+      switch (hc) {
+        case 1: accumulate_chunk_avx512<1>(src, kv_head, t0, t1, c0, wts, groups, a, D); break;
+        case 2: accumulate_chunk_avx512<2>(src, kv_head, t0, t1, c0, wts, groups, a, D); break;
+        case 3: accumulate_chunk_avx512<3>(src, kv_head, t0, t1, c0, wts, groups, a, D); break;
+        case 4: accumulate_chunk_avx512<4>(src, kv_head, t0, t1, c0, wts, groups, a, D); break;
+        case 5: accumulate_chunk_avx512<5>(src, kv_head, t0, t1, c0, wts, groups, a, D); break;
+        case 6: accumulate_chunk_avx512<6>(src, kv_head, t0, t1, c0, wts, groups, a, D); break;
+        case 7: accumulate_chunk_avx512<7>(src, kv_head, t0, t1, c0, wts, groups, a, D); break;
+        default: accumulate_chunk_avx512<8>(src, kv_head, t0, t1, c0, wts, groups, a, D); break;
+      }
+    }
+    h += hc;
+  }
+  for (int h = 0; h < heads; ++h)
+    for (int c = 0; c < D; ++c) acc[h * D + c] += w.offsets[h * groups + c / VG];
+}
+
+/// 16 consecutive channels of a dense row as floats.
+template <class T>
+LYNX_AVX512_TARGET inline __m512 load16_avx512(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm512_loadu_ps(p);
+  } else {
+    static_assert(std::is_same_v<T, bf16>, "AVX-512 dense kernels read float or bf16");
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+  }
+}
+
+/// Fold of 16 lane vectors (one per token) into one vector of 16 scores in token
+/// order, each by the halving tree l += l+8, l += l+4, l += l+2, l += l+1.
+LYNX_AVX512_TARGET inline __m512 fold16_avx512(__m512* v) {
+  __m512 x[8], y[4], z[2];
+  for (int i = 0; i < 8; ++i)  // lanes 0-7 of v[2i] + lanes 8-15, then the same of v[2i+1]
+    x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44), _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)  // chunks (x0, x2 | y0, y2) + (x1, x3 | y1, y3)
+    y[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0x88), _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)
+    z[i] = _mm512_add_ps(_mm512_shuffle_ps(y[2 * i], y[2 * i + 1], 0x44), _mm512_shuffle_ps(y[2 * i], y[2 * i + 1], 0xEE));
+  const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(z[0], z[1], 0x88), _mm512_shuffle_ps(z[0], z[1], 0xDD));
+  // lane (chunk k, position i) now holds the token whose index the table gives
+  return r;
+}
+
+/// Lane permutation that puts fold16_avx512's result in token order, found by
+/// folding vectors that each hold their token's index.
+LYNX_AVX512_TARGET inline __m512i fold16_token_order_avx512() {
+  __m512 v[16];
+  for (int t = 0; t < 16; ++t) v[t] = _mm512_set1_ps(static_cast<float>(t));
+  alignas(64) float r[16];
+  _mm512_store_ps(r, fold16_avx512(v));  // each lane: 16 * its token
+  alignas(64) std::int32_t idx[16];
+  for (int l = 0; l < 16; ++l) idx[static_cast<int>(r[l]) / 16] = l;
+  return _mm512_load_si512(idx);
+}
+
+template <class T>
+LYNX_AVX512_TARGET void score_tokens_avx512(const dense_kv_source<T>& src, std::int64_t kv_head, const float* q, int heads,
+                                            std::int64_t t0, std::int64_t t1, const split_scratch& w) {
+  const int D = src.head_dim();
+  static const __m512i perm = fold16_token_order_avx512();
+  std::int64_t t = t0;
+  for (; t + 16 <= t1; t += 16)
+    for (int h = 0; h < heads; ++h) {
+      __m512 v[16];
+      const float* qh = q + h * D;
+      for (int i = 0; i < 16; ++i) {
+        const T* k = &src.keys(t + i, kv_head, 0);
+        __m512 a = _mm512_setzero_ps();
+        for (int c = 0; c < D; c += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(qh + c), load16_avx512(k + c), a);
+        v[i] = a;
+      }
+      _mm512_storeu_ps(w.scores + h * attention_split_tokens + (t - t0), _mm512_permutexvar_ps(perm, fold16_avx512(v)));
+    }
+  for (; t < t1; ++t)
+    for (int h = 0; h < heads; ++h)
+      w.scores[h * attention_split_tokens + (t - t0)] = dense_score(q + h * D, &src.keys(t, kv_head, 0), 1, D);
+}
+
+template <int HC, class T>
+LYNX_AVX512_TARGET void accumulate_dense_chunk_avx512(const dense_kv_source<T>& src, std::int64_t kv_head, std::int64_t t0, std::int64_t t1,
+                                                      int c0, const float* p /*[HC][S]*/, float* acc, int D) {
+  __m512 a[HC];
+  for (int h = 0; h < HC; ++h) a[h] = _mm512_setzero_ps();
+  for (std::int64_t t = t0; t < t1; ++t) {
+    const __m512 v = load16_avx512(&src.values(t, kv_head, c0));
+    for (int h = 0; h < HC; ++h) a[h] = _mm512_fmadd_ps(_mm512_set1_ps(p[h * attention_split_tokens + (t - t0)]), v, a[h]);
+  }
+  for (int h = 0; h < HC; ++h) _mm512_storeu_ps(acc + h * D + c0, a[h]);
+}
+
+template <class T>
+LYNX_AVX512_TARGET void accumulate_values_avx512(const dense_kv_source<T>& src, std::int64_t kv_head, int heads, std::int64_t t0,
+                                                 std::int64_t t1, float* acc, const split_scratch& w) {
+  const int D = src.head_dim();
+  for (int h = 0; h < heads;) {
+    const int hc = std::min(8, heads - h);
+    const float* p = w.scores + h * attention_split_tokens;
+    for (int c0 = 0; c0 < D; c0 += 16) {
+      switch (hc) {
+        case 1: accumulate_dense_chunk_avx512<1>(src, kv_head, t0, t1, c0, p, acc + h * D, D); break;
+        case 2: accumulate_dense_chunk_avx512<2>(src, kv_head, t0, t1, c0, p, acc + h * D, D); break;
+        case 3: accumulate_dense_chunk_avx512<3>(src, kv_head, t0, t1, c0, p, acc + h * D, D); break;
+        case 4: accumulate_dense_chunk_avx512<4>(src, kv_head, t0, t1, c0, p, acc + h * D, D); break;
+        case 5: accumulate_dense_chunk_avx512<5>(src, kv_head, t0, t1, c0, p, acc + h * D, D); break;
+        case 6: accumulate_dense_chunk_avx512<6>(src, kv_head, t0, t1, c0, p, acc + h * D, D); break;
+        case 7: accumulate_dense_chunk_avx512<7>(src, kv_head, t0, t1, c0, p, acc + h * D, D); break;
+        default: accumulate_dense_chunk_avx512<8>(src, kv_head, t0, t1, c0, p, acc + h * D, D); break;
+      }
+    }
+    h += hc;
+  }
+}
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
+#endif  // LYNX_HOST_AVX512
+
+/// Whether the AVX-512 kernels handle this source (else the portable ones do).
+template <stream_plan_type Plan, int G>
+bool avx512_supports(const plane_kv_source<Plan, G>& src) {
+  return G % attention_block_tokens == 0 && src.head_dim() % 16 == 0 && src.view.geometry.value_group % 16 == 0;
+}
+template <class T>
+bool avx512_supports(const dense_kv_source<T>& src) {
+  return src.head_dim() % 16 == 0 && src.keys.channel_stride == 1 && src.values.channel_stride == 1;
+}
+
+/// One split of one source for one query and one kv head: partial states of
+/// `heads` query heads over tokens [t0, t1) with tokens before `first_visible` masked.
+/// q: [heads][D], already multiplied by the softmax scale. m, l: [heads]; acc: [heads][D].
+template <class Source, class Variant>
+void compute_split(const Source& src, std::int64_t kv_head, const float* q, int heads, std::int64_t t0, std::int64_t t1,
+                   std::int64_t first_visible, const Variant& variant, bool simd, const split_scratch& w, float* m, float* l,
+                   float* acc) {
+  const std::int64_t n = t1 - t0;
+  (void)simd;
+#if LYNX_HOST_AVX512
+  if (simd) {
+    score_tokens_avx512(src, kv_head, q, heads, t0, t1, w);
+  } else
+#endif
+  {
+    score_tokens_portable(src, kv_head, q, heads, t0, t1, w);
+  }
+  for (int h = 0; h < heads; ++h) {
+    float* s = w.scores + h * attention_split_tokens;
+    float mx = attention_neg_inf;
+    for (std::int64_t i = 0; i < n; ++i) {
+      float x = s[i];
+      if constexpr (Variant::has_logit_transform) x = variant.transform_logit(x);
+      x = (t0 + i) < first_visible ? attention_neg_inf : x * attention_log2e;
+      s[i] = x;
+      mx = x > mx ? x : mx;
+    }
+    m[h] = mx;
+    if (!(mx > attention_neg_inf)) {
+      // nothing visible for this head (all masked): an empty state, p = 0
+      std::fill(s, s + n, 0.0f);
+      l[h] = 0.0f;
+      continue;
+    }
+#if LYNX_HOST_AVX512
+    if (simd) exp2_shifted_avx512(s, n, mx);
+    else
+#endif
+      exp2_shifted_portable(s, n, mx);
+    l[h] = fixed_order_sum(s, n);
+  }
+  if constexpr (requires { src.view; }) value_weights(src, kv_head, heads, t0, t1, w);
+#if LYNX_HOST_AVX512
+  if (simd) {
+    accumulate_values_avx512(src, kv_head, heads, t0, t1, acc, w);
+    return;
+  }
+#endif
+  accumulate_values_portable(src, kv_head, heads, t0, t1, acc, w);
+}
+
+}  // namespace lynx::detail

@@ -514,6 +514,8 @@ template <stream_plan_type Plan, int G = 32, kv_element T>
   lynx::detail::require(workspace_bytes >= encode_workspace_bytes, errc::invalid_argument,
                         "cuda::encode_async: workspace of " + std::to_string(workspace_bytes) + " bytes, it needs " +
                             std::to_string(encode_workspace_bytes));
+  lynx::detail::require(reinterpret_cast<std::uintptr_t>(workspace) % alignof(encode_status) == 0, errc::invalid_argument,
+                        "cuda::encode_async: workspace is not 8-byte aligned (its fields are 64-bit atomics)");
   detail::check_device_inputs(keys, values);
   const layer_geometry g = make_geometry<Plan, G>(keys.shape);
   detail::check_device_outputs(g, out);

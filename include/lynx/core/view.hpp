@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include "lynx/core/config.hpp"
 #include "lynx/core/error.hpp"
@@ -46,7 +47,12 @@ struct kv_view {
   }
   [[nodiscard]] LYNX_HOST_DEVICE bool channels_contiguous() const { return channel_stride == 1; }
 
-  operator kv_view<const T, Space>() const { return {data, shape, token_stride, head_stride, channel_stride}; }
+  /// A view of mutable elements converts to a view of const ones.
+  operator kv_view<const T, Space>() const
+    requires(!std::is_const_v<T>)
+  {
+    return {data, shape, token_stride, head_stride, channel_stride};
+  }
 };
 
 /// [tokens, kv_heads, head_dim], row-major: the layout of most paged caches within a page.

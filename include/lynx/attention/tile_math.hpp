@@ -62,16 +62,20 @@ LYNX_HOST_DEVICE float attention_exp2(float x) {
 ///   bias + sum_c qs[c] * float(k_c)
 /// which equals sum_c q[c] * reconstruct(k_c) up to rounding:
 ///   reconstruct(k_c) = scale_c * (k_c * 2^(B-P) + half) + zero_c
-///   qs[c] = q[c] * scale_c * 2^(B-P),  bias = sum_c q[c] * (scale_c * half + zero_c)
-/// (bias summed in channel order with fused multiply-adds).
+///   qs[c] = q[c] * (scale_c * 2^(B-P)),  bias = sum_c q[c] * (scale_c * half + zero_c)
+/// bias is summed like a dense score: lane c mod 16 by fused multiply-adds in
+/// channel order, then the halving tree (so SIMD backends evaluate it 16 wide).
 LYNX_HOST_DEVICE float fold_query_into_key_group(const float* q, const float* scale, const float* zero, int head_dim,
                                                  float level_unit, float half, float* qs) {
-  float bias = 0.0f;
+  float lane[attention_reduction_lanes] = {};
   for (int c = 0; c < head_dim; ++c) {
     qs[c] = q[c] * (scale[c] * level_unit);
-    bias = detail::fused_multiply_add(q[c], detail::fused_multiply_add(scale[c], half, zero[c]), bias);
+    float& l = lane[c % attention_reduction_lanes];
+    l = detail::fused_multiply_add(q[c], detail::fused_multiply_add(scale[c], half, zero[c]), l);
   }
-  return bias;
+  for (int w = attention_reduction_lanes / 2; w >= 1; w /= 2)
+    for (int l = 0; l < w; ++l) lane[l] += lane[l + w];
+  return lane[0];
 }
 
 /// Score of one token of a 32-token block against a folded query: the channel

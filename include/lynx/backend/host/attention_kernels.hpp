@@ -14,6 +14,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -83,6 +84,7 @@ struct split_scratch {
   float* offsets;  // [heads][value groups]
   float* tile;     // [head_dim][32]: codes of one key block, lane = token
   float* queries;  // [heads][head_dim]: the group's queries times the softmax scale
+  float* lanes;    // [heads][head_dim][16]: value sums by token index mod 16 (bit-plane values)
 };
 
 /// Floats of one worker's scratch for `heads` query heads per kv head, and
@@ -90,7 +92,7 @@ struct split_scratch {
 inline std::int64_t split_scratch_floats(std::int64_t heads, std::int64_t head_dim, std::int64_t value_groups) {
   const std::int64_t S = attention_split_tokens;
   return heads * S + heads * head_dim + heads + heads * value_groups * S + heads * value_groups + head_dim * attention_block_tokens +
-         heads * head_dim + 7 * 16;
+         heads * head_dim + heads * head_dim * 16 + 8 * 16;
 }
 
 inline split_scratch carve_scratch(float* base, std::int64_t heads, std::int64_t head_dim, std::int64_t value_groups) {
@@ -104,6 +106,7 @@ inline split_scratch carve_scratch(float* base, std::int64_t heads, std::int64_t
   s.offsets = align(s.weights + heads * value_groups * S);
   s.tile = align(s.offsets + heads * value_groups);
   s.queries = align(s.tile + head_dim * attention_block_tokens);
+  s.lanes = align(s.queries + heads * head_dim);
   return s;
 }
 
@@ -142,7 +145,7 @@ void score_tokens_portable(const plane_kv_source<Plan, G>& src, std::int64_t kv_
 /// Value weights of tokens [t0, t1) (shared by both paths): weights[h][grp][t - t0]
 /// and offsets[h][grp] = sum_t p * (scale * half + zero), in token order.
 template <stream_plan_type Plan, int G>
-void value_weights(const plane_kv_source<Plan, G>& src, std::int64_t kv_head, int heads, std::int64_t t0, std::int64_t t1,
+void value_weights_portable(const plane_kv_source<Plan, G>& src, std::int64_t kv_head, int heads, std::int64_t t0, std::int64_t t1,
                    const split_scratch& w) {
   const layer_geometry& g = src.view.geometry;
   const std::int64_t groups = g.value_channel_groups();
@@ -153,39 +156,59 @@ void value_weights(const plane_kv_source<Plan, G>& src, std::int64_t kv_head, in
     for (std::int64_t grp = 0; grp < groups; ++grp) {
       const float* p = w.scores + h * attention_split_tokens;
       float* out = w.weights + (h * groups + grp) * attention_split_tokens;
-      float offset = 0.0f;
+      float lane[attention_reduction_lanes] = {};
       for (std::int64_t t = t0; t < t1; ++t) {
         const value_token_weight vw = fold_value_token(p[t - t0], vs[t * groups + grp], vz[t * groups + grp], unit, half);
         out[t - t0] = vw.weight;
-        offset += vw.offset;
+        lane[(t - t0) % attention_reduction_lanes] += vw.offset;
       }
-      w.offsets[h * groups + grp] = offset;
+      for (int wdt = attention_reduction_lanes / 2; wdt >= 1; wdt /= 2)
+        for (int l = 0; l < wdt; ++l) lane[l] += lane[l + wdt];
+      w.offsets[h * groups + grp] = lane[0];
+      // tokens past t1 in the last block weigh 0 (the kernels walk whole blocks)
+      for (std::int64_t t = t1; t < (t1 + attention_block_tokens - 1) / attention_block_tokens * attention_block_tokens; ++t) out[t - t0] = 0.0f;
     }
 }
 
-/// acc[h][c] = offsets[h][grp(c)] + sum_t weights[h][grp(c)][t] * code(t, c), t in order.
+/// Sums of the 16 value lanes of every (head, channel) by the halving tree, plus the offset.
+inline void finish_value_lanes(const float* lanes, int heads, int D, std::int64_t VG, std::int64_t groups, const float* offsets,
+                               float* acc) {
+  for (int h = 0; h < heads; ++h)
+    for (int c = 0; c < D; ++c) {
+      float x[attention_reduction_lanes];
+      for (int l = 0; l < attention_reduction_lanes; ++l) x[l] = lanes[(h * D + c) * attention_reduction_lanes + l];
+      for (int wdt = attention_reduction_lanes / 2; wdt >= 1; wdt /= 2)
+        for (int l = 0; l < wdt; ++l) x[l] += x[l + wdt];
+      acc[h * D + c] = x[0] + offsets[h * groups + c / VG];
+    }
+}
+
+/// acc[h][c] = offsets[h][grp(c)] + sum_t weights[h][grp(c)][t] * code(t, c):
+/// lane l = t mod 16 sums its tokens in order over whole 32-token blocks (weights
+/// of tokens past t1 are 0), then the lanes fold by the halving tree.
 template <stream_plan_type Plan, int G>
 void accumulate_values_portable(const plane_kv_source<Plan, G>& src, std::int64_t kv_head, int heads, std::int64_t t0,
                                 std::int64_t t1, float* acc, const split_scratch& w) {
   const layer_geometry& g = src.view.geometry;
   const int D = static_cast<int>(g.head_dim);
   const std::int64_t groups = g.value_channel_groups(), VG = g.value_group;
-  std::fill(acc, acc + heads * D, 0.0f);
+  std::fill(w.lanes, w.lanes + heads * D * attention_reduction_lanes, 0.0f);
   const std::uint32_t* rows[16];
   for (std::int64_t b = t0 / attention_block_tokens; b * attention_block_tokens < t1; ++b) {
     src.block_rows(false, kv_head, b, rows);
     const std::int64_t tb = b * attention_block_tokens;
-    for (std::int64_t t = std::max(tb, t0); t < std::min(tb + attention_block_tokens, t1); ++t)
-      for (int c = 0; c < D; ++c) {
+    for (int c = 0; c < D; ++c)
+      for (int i = 0; i < attention_block_tokens; ++i) {
         std::uint32_t k = 0;
-        for (int j = 0; j < src.planes; ++j) k = (k << 1) | token_bit(rows[j][c], static_cast<int>(t - tb));
+        for (int j = 0; j < src.planes; ++j) k = (k << 1) | token_bit(rows[j][c], i);
         const float code = static_cast<float>(k);
-        for (int h = 0; h < heads; ++h)
-          acc[h * D + c] = detail::fused_multiply_add(w.weights[(h * groups + c / VG) * attention_split_tokens + (t - t0)], code, acc[h * D + c]);
+        for (int h = 0; h < heads; ++h) {
+          float& lane = w.lanes[(h * D + c) * attention_reduction_lanes + i % attention_reduction_lanes];
+          lane = detail::fused_multiply_add(w.weights[(h * groups + c / VG) * attention_split_tokens + (tb + i - t0)], code, lane);
+        }
       }
   }
-  for (int h = 0; h < heads; ++h)
-    for (int c = 0; c < D; ++c) acc[h * D + c] += w.offsets[h * groups + c / VG];
+  finish_value_lanes(w.lanes, heads, D, VG, groups, w.offsets, acc);
 }
 
 /// Dense score in the fixed order: 16 lanes over channels c = l (mod 16), then a halving tree.
@@ -267,6 +290,107 @@ LYNX_AVX512_TARGET inline void exp2_shifted_avx512(float* s, std::int64_t n, flo
   }
 }
 
+/// fold_query_into_key_group, 16 channels per step (same operations per lane).
+LYNX_AVX512_TARGET inline float fold_query_avx512(const float* q, const float* scale, const float* zero, int D, float unit, float half,
+                                                  float* qs) {
+  const __m512 u = _mm512_set1_ps(unit), hv = _mm512_set1_ps(half);
+  __m512 lane = _mm512_setzero_ps();
+  for (int c = 0; c < D; c += 16) {
+    const __m512 qv = _mm512_loadu_ps(q + c), sc = _mm512_loadu_ps(scale + c);
+    _mm512_storeu_ps(qs + c, _mm512_mul_ps(qv, _mm512_mul_ps(sc, u)));
+    lane = _mm512_fmadd_ps(qv, _mm512_fmadd_ps(sc, hv, _mm512_loadu_ps(zero + c)), lane);
+  }
+  alignas(64) float x[16];
+  _mm512_store_ps(x, lane);
+  for (int w = 8; w >= 1; w /= 2)
+    for (int l = 0; l < w; ++l) x[l] += x[l + w];
+  return x[0];
+}
+
+/// value_weights_portable, 16 tokens per step (same operations per lane).
+template <stream_plan_type Plan, int G>
+LYNX_AVX512_TARGET void value_weights_avx512(const plane_kv_source<Plan, G>& src, std::int64_t kv_head, int heads, std::int64_t t0,
+                                             std::int64_t t1, const split_scratch& w) {
+  const layer_geometry& g = src.view.geometry;
+  const std::int64_t groups = g.value_channel_groups();
+  const __m512 u = _mm512_set1_ps(src.level_unit()), hv = _mm512_set1_ps(src.half());
+  const float* vs = src.view.value_scale() + kv_head * g.tokens * groups;
+  const float* vz = src.view.value_zero() + kv_head * g.tokens * groups;
+  const __m512i stride = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32(static_cast<int>(groups)));
+  const std::int64_t n = t1 - t0;
+  __m512 lanes[8][8];  // [head][group] offset lanes; larger shapes loop below
+  for (int h0 = 0; h0 < heads; h0 += 8)
+    for (std::int64_t g0 = 0; g0 < groups; g0 += 8) {
+      const int hn = std::min(8, heads - h0);
+      const int gn = static_cast<int>(std::min<std::int64_t>(8, groups - g0));
+      for (int h = 0; h < hn; ++h)
+        for (int k = 0; k < gn; ++k) lanes[h][k] = _mm512_setzero_ps();
+      for (std::int64_t i = 0; i < n; i += 16) {
+        const __mmask16 live = n - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - i)) - 1u);
+        for (int k = 0; k < gn; ++k) {
+          const std::int64_t grp = g0 + k;
+          const float* base_s = vs + (t0 + i) * groups + grp;
+          const float* base_z = vz + (t0 + i) * groups + grp;
+          const __m512 sc = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, stride, base_s, 4);
+          const __m512 zr = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, stride, base_z, 4);
+          const __m512 su = _mm512_mul_ps(sc, u), off = _mm512_fmadd_ps(sc, hv, zr);
+          for (int h = 0; h < hn; ++h) {
+            const __m512 p = _mm512_maskz_loadu_ps(live, w.scores + (h0 + h) * attention_split_tokens + i);
+            _mm512_mask_storeu_ps(w.weights + ((h0 + h) * groups + grp) * attention_split_tokens + i, live, _mm512_mul_ps(p, su));
+            lanes[h][k] = _mm512_mask_add_ps(lanes[h][k], live, lanes[h][k], _mm512_mul_ps(p, off));
+          }
+        }
+      }
+      for (int h = 0; h < hn; ++h)
+        for (int k = 0; k < gn; ++k) {
+          alignas(64) float x[16];
+          _mm512_store_ps(x, lanes[h][k]);
+          for (int wdt = 8; wdt >= 1; wdt /= 2)
+            for (int l = 0; l < wdt; ++l) x[l] += x[l + wdt];
+          w.offsets[(h0 + h) * groups + g0 + k] = x[0];
+        }
+    }
+  // tokens past t1 in the last block weigh 0 (the kernels walk whole blocks)
+  const std::int64_t end = (t1 + attention_block_tokens - 1) / attention_block_tokens * attention_block_tokens;
+  for (int h = 0; h < heads; ++h)
+    for (std::int64_t grp = 0; grp < groups; ++grp)
+      for (std::int64_t t = t1; t < end; ++t) w.weights[(h * groups + grp) * attention_split_tokens + (t - t0)] = 0.0f;
+}
+
+/// Logits to the log2 domain with tokens before first_visible masked; returns the max.
+LYNX_AVX512_TARGET inline float prepare_scores_avx512(float* s, std::int64_t n, std::int64_t t0, std::int64_t first_visible) {
+  const __m512 log2e = _mm512_set1_ps(attention_log2e), ninf = _mm512_set1_ps(attention_neg_inf);
+  __m512 mx = ninf;
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  for (std::int64_t i = 0; i < n; i += 16) {
+    const __mmask16 live = n - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - i)) - 1u);
+    // visible: t0 + i + lane >= first_visible  <=>  lane >= first_visible - t0 - i
+    const std::int64_t need = first_visible - t0 - i;
+    const __mmask16 seen = need <= 0 ? static_cast<__mmask16>(0xFFFF)
+                           : need >= 16 ? static_cast<__mmask16>(0)
+                                        : _mm512_cmpge_epi32_mask(lane, _mm512_set1_epi32(static_cast<int>(need)));
+    const __m512 x = _mm512_mask_mul_ps(ninf, seen, _mm512_maskz_loadu_ps(live, s + i), log2e);
+    _mm512_mask_storeu_ps(s + i, live, x);
+    mx = _mm512_mask_max_ps(mx, live, mx, x);
+  }
+  return _mm512_reduce_max_ps(mx);
+}
+
+/// fixed_order_sum, 16 lanes per step.
+LYNX_AVX512_TARGET inline float fixed_order_sum_avx512(const float* x, std::int64_t n) {
+  __m512 lane = _mm512_setzero_ps();
+  for (std::int64_t i = 0; i < n; i += 16) {
+    const __mmask16 live = n - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - i)) - 1u);
+    lane = _mm512_mask_add_ps(lane, live, lane, _mm512_maskz_loadu_ps(live, x + i));
+  }
+  alignas(64) float r[16];
+  _mm512_store_ps(r, lane);
+  for (int w = 8; w >= 1; w /= 2)
+    for (int l = 0; l < w; ++l) r[l] += r[l + w];
+  return r[0];
+}
+
 /// Codes of one key block into tile[c][32] (lane = token), for P planes:
 /// plane j's bit of token t is rotated to bit P-1-j and merged.
 LYNX_AVX512_TARGET inline void decode_key_block_avx512(const std::uint32_t* const* rows, int planes, int D, float* tile) {
@@ -289,6 +413,78 @@ LYNX_AVX512_TARGET inline void decode_key_block_avx512(const std::uint32_t* cons
     _mm512_store_ps(tile + c * 32, _mm512_cvtepi32_ps(lo));
     _mm512_store_ps(tile + c * 32 + 16, _mm512_cvtepi32_ps(hi));
   }
+}
+
+#define LYNX_GFNI_TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vbmi,gfni,fma")))
+
+inline bool host_has_gfni() {
+  static const bool yes = host_has_avx512() && __builtin_cpu_supports("gfni") && __builtin_cpu_supports("avx512vbmi");
+  return yes;
+}
+
+/// Codes of one 32-token block, 16 channels at a time, by bit-matrix transposes:
+/// the plane words of 16 channels (one zmm per plane) are byte-transposed so each
+/// qword holds one byte (8 tokens) of 8 planes; GF2P8AFFINEQB transposes each
+/// 8x8 bit matrix, giving one byte per token with plane 0 in the top bit
+/// (= prefix << (8 - planes) for up to 8 planes). Planes 8..15 make a low byte.
+/// tile[c][32] receives float(prefix << (decoded_bits - P)), decoded_bits = 8 or 16.
+LYNX_GFNI_TARGET inline void transpose_planes_gfni(const std::uint32_t* const* rows, int first, int count, int c0, __m512i out[2][2][2]) {
+  __m512i wv[8];
+  for (int j = 0; j < 8; ++j) wv[j] = j < count ? _mm512_loadu_si512(rows[first + j] + c0) : _mm512_setzero_si512();
+  __m512i a[4][2], bq[2][2][2];
+  for (int p = 0; p < 4; ++p) {
+    a[p][0] = _mm512_unpacklo_epi8(wv[2 * p], wv[2 * p + 1]);
+    a[p][1] = _mm512_unpackhi_epi8(wv[2 * p], wv[2 * p + 1]);
+  }
+  for (int q = 0; q < 2; ++q)
+    for (int s1 = 0; s1 < 2; ++s1) {
+      bq[q][s1][0] = _mm512_unpacklo_epi16(a[2 * q][s1], a[2 * q + 1][s1]);
+      bq[q][s1][1] = _mm512_unpackhi_epi16(a[2 * q][s1], a[2 * q + 1][s1]);
+    }
+  const __m512i tokens = _mm512_set1_epi64(static_cast<long long>(0x8040201008040201ull));
+  for (int s1 = 0; s1 < 2; ++s1)
+    for (int s2 = 0; s2 < 2; ++s2) {
+      // qword g of lane L: byte 8*s1 + 4*s2 + 2*s3 + g of the lane = channel 4L + 2*s1 + s2, token byte 2*s3 + g
+      out[s1][s2][0] = _mm512_gf2p8affine_epi64_epi8(tokens, _mm512_unpacklo_epi32(bq[0][s1][s2], bq[1][s1][s2]), 0);
+      out[s1][s2][1] = _mm512_gf2p8affine_epi64_epi8(tokens, _mm512_unpackhi_epi32(bq[0][s1][s2], bq[1][s1][s2]), 0);
+    }
+}
+
+LYNX_GFNI_TARGET inline void decode_block_gfni(const std::uint32_t* const* rows, int planes, int D, float* tile) {
+  __m512i zext[4];
+  for (int L = 0; L < 4; ++L) {
+    alignas(64) std::uint8_t idx[64];
+    for (int i = 0; i < 64; ++i) idx[i] = static_cast<std::uint8_t>(16 * L + i / 4);
+    zext[L] = _mm512_load_si512(idx);
+  }
+  const __mmask64 low_bytes = 0x1111111111111111ull;
+  for (int c0 = 0; c0 < D; c0 += 16) {
+    __m512i hi[2][2][2], lo[2][2][2];
+    transpose_planes_gfni(rows, 0, planes < 8 ? planes : 8, c0, hi);
+    if (planes > 8) transpose_planes_gfni(rows, 8, planes - 8, c0, lo);
+    for (int L = 0; L < 4; ++L)
+      for (int m = 0; m < 4; ++m)
+        for (int s3 = 0; s3 < 2; ++s3) {
+          __m512i code = _mm512_maskz_permutexvar_epi8(low_bytes, zext[L], hi[m >> 1][m & 1][s3]);
+          if (planes > 8)
+            code = _mm512_or_si512(_mm512_slli_epi32(code, 8), _mm512_maskz_permutexvar_epi8(low_bytes, zext[L], lo[m >> 1][m & 1][s3]));
+          _mm512_store_ps(tile + (c0 + 4 * L + m) * 32 + 16 * s3, _mm512_cvtepi32_ps(code));
+        }
+  }
+}
+
+/// Bits of the integers decode_block writes: prefix << (decoded_bits(P) - P).
+inline int decoded_bits(int planes) { return planes > 8 ? 16 : 8; }
+
+/// Codes of one block into tile[c][32]: the GFNI transposer where the CPU has
+/// it (then values are prefix << (decoded_bits - P)), else rotations (prefix).
+LYNX_AVX512_TARGET inline int decode_block(const std::uint32_t* const* rows, int planes, int D, float* tile) {
+  if (host_has_gfni() && D % 16 == 0) {
+    decode_block_gfni(rows, planes, D, tile);
+    return decoded_bits(planes) - planes;
+  }
+  decode_key_block_avx512(rows, planes, D, tile);
+  return 0;
 }
 
 /// scores of up to 4 heads against one decoded key block: s = bias + sum_c qs[c] * code[c], channel order.
@@ -315,7 +511,9 @@ LYNX_AVX512_TARGET void score_tokens_avx512(const plane_kv_source<Plan, G>& src,
                                             std::int64_t t0, std::int64_t t1, const split_scratch& w) {
   const layer_geometry& g = src.view.geometry;
   const int D = static_cast<int>(g.head_dim);
-  const float unit = src.level_unit(), half = src.half();
+  // the tile holds prefix << shift: fold 2^-shift into the query (exact, a power of two)
+  const int shift = host_has_gfni() && D % 16 == 0 ? decoded_bits(src.planes) - src.planes : 0;
+  const float unit = std::ldexp(src.level_unit(), -shift), half = src.half();
   const std::uint32_t* rows[16];
   std::int64_t folded_group = -1;
   for (std::int64_t b = t0 / attention_block_tokens; b * attention_block_tokens < t1; ++b) {
@@ -324,12 +522,12 @@ LYNX_AVX512_TARGET void score_tokens_avx512(const plane_kv_source<Plan, G>& src,
     if (grp != folded_group) {
       const std::int64_t base = (kv_head * g.key_token_groups() + grp) * D;
       for (int h = 0; h < heads; ++h)
-        w.bias[h] = fold_query_into_key_group(q + h * D, src.view.key_scale() + base, src.view.key_zero() + base, D, unit, half,
+        w.bias[h] = fold_query_avx512(q + h * D, src.view.key_scale() + base, src.view.key_zero() + base, D, unit, half,
                                               w.qs + h * D);
       folded_group = grp;
     }
     src.block_rows(true, kv_head, b, rows);
-    decode_key_block_avx512(rows, src.planes, D, w.tile);
+    decode_block(rows, src.planes, D, w.tile);
     float* out = w.scores + (tb - t0);
     int h = 0;
     for (; h + 4 <= heads; h += 4) score_block_avx512<4>(w.tile, D, w.qs + h * D, w.bias + h, out + h * attention_split_tokens);
@@ -342,63 +540,35 @@ LYNX_AVX512_TARGET void score_tokens_avx512(const plane_kv_source<Plan, G>& src,
   }
 }
 
-/// Values of one 16-channel chunk for HC heads over tokens [t0, t1), lane = channel, token order.
-template <int HC, stream_plan_type Plan, int G>
-LYNX_AVX512_TARGET void accumulate_chunk_avx512(const plane_kv_source<Plan, G>& src, std::int64_t kv_head, std::int64_t t0,
-                                                std::int64_t t1, int c0, const float* weights /*[HC][groups][S]*/, std::int64_t groups,
-                                                float* acc /*[HC][D]*/, int D) {
-  const std::int64_t grp = c0 / src.view.geometry.value_group;
-  __m512 a[HC];
-  for (int h = 0; h < HC; ++h) a[h] = _mm512_setzero_ps();
-  const std::uint32_t* rows[16];
-  __m512i plane[16], bit[16];
-  const int P = src.planes;
-  for (int j = 0; j < P; ++j) bit[j] = _mm512_set1_epi32(1 << (P - 1 - j));
-  for (std::int64_t b = t0 / attention_block_tokens; b * attention_block_tokens < t1; ++b) {
-    src.block_rows(false, kv_head, b, rows);
-    // plane j rotated left by its bit position: token t's bit sits at t + pos (mod 32)
-    for (int j = 0; j < P; ++j) plane[j] = _mm512_rolv_epi32(_mm512_loadu_si512(rows[j] + c0), _mm512_set1_epi32(P - 1 - j));
-    const std::int64_t tb = b * attention_block_tokens;
-    const std::int64_t te = std::min(tb + attention_block_tokens, t1);
-    for (std::int64_t t = std::max(tb, t0); t < te; ++t) {
-      const __m512i r = _mm512_set1_epi32(static_cast<int>(t - tb));
-      __m512i code = _mm512_setzero_si512();
-      for (int j = 0; j < P; ++j) code = _mm512_ternarylogic_epi32(code, _mm512_rorv_epi32(plane[j], r), bit[j], 0xF8);
-      const __m512 cf = _mm512_cvtepi32_ps(code);
-      for (int h = 0; h < HC; ++h)
-        a[h] = _mm512_fmadd_ps(_mm512_set1_ps(weights[(h * groups + grp) * attention_split_tokens + (t - t0)]), cf, a[h]);
-    }
-  }
-  for (int h = 0; h < HC; ++h) _mm512_storeu_ps(acc + h * D + c0, a[h]);
-}
-
+/// Values over tokens [t0, t1) with lane = token (see accumulate_values_portable).
 template <stream_plan_type Plan, int G>
 LYNX_AVX512_TARGET void accumulate_values_avx512(const plane_kv_source<Plan, G>& src, std::int64_t kv_head, int heads, std::int64_t t0,
                                                  std::int64_t t1, float* acc, const split_scratch& w) {
   const layer_geometry& g = src.view.geometry;
   const int D = static_cast<int>(g.head_dim);
   const std::int64_t groups = g.value_channel_groups(), VG = g.value_group;
-  const std::int64_t hstride = groups * attention_split_tokens;
-  for (int h = 0; h < heads;) {
-    const int hc = std::min(8, heads - h);
-    const float* wts = w.weights + h * hstride;
-    float* a = acc + h * D;
-    for (int c0 = 0; c0 < D; c0 += 16) {
-      switch (hc) {
-        case 1: accumulate_chunk_avx512<1>(src, kv_head, t0, t1, c0, wts, groups, a, D); break;
-        case 2: accumulate_chunk_avx512<2>(src, kv_head, t0, t1, c0, wts, groups, a, D); break;
-        case 3: accumulate_chunk_avx512<3>(src, kv_head, t0, t1, c0, wts, groups, a, D); break;
-        case 4: accumulate_chunk_avx512<4>(src, kv_head, t0, t1, c0, wts, groups, a, D); break;
-        case 5: accumulate_chunk_avx512<5>(src, kv_head, t0, t1, c0, wts, groups, a, D); break;
-        case 6: accumulate_chunk_avx512<6>(src, kv_head, t0, t1, c0, wts, groups, a, D); break;
-        case 7: accumulate_chunk_avx512<7>(src, kv_head, t0, t1, c0, wts, groups, a, D); break;
-        default: accumulate_chunk_avx512<8>(src, kv_head, t0, t1, c0, wts, groups, a, D); break;
+  std::fill(w.lanes, w.lanes + heads * D * attention_reduction_lanes, 0.0f);
+  const std::uint32_t* rows[16];
+  for (std::int64_t b = t0 / attention_block_tokens; b * attention_block_tokens < t1; ++b) {
+    src.block_rows(false, kv_head, b, rows);
+    // the tile holds prefix << shift: scale the weights by 2^-shift (exact)
+    const __m512 unscale = _mm512_set1_ps(std::ldexp(1.0f, -decode_block(rows, src.planes, D, w.tile)));
+    const std::int64_t off = b * attention_block_tokens - t0;
+    for (std::int64_t grp = 0; grp < groups; ++grp)
+      for (int h = 0; h < heads; ++h) {
+        const float* wt = w.weights + (h * groups + grp) * attention_split_tokens + off;
+        const __m512 w0 = _mm512_mul_ps(_mm512_loadu_ps(wt), unscale), w1 = _mm512_mul_ps(_mm512_loadu_ps(wt + 16), unscale);
+        float* lane = w.lanes + (h * D + grp * VG) * attention_reduction_lanes;
+        const float* tile = w.tile + grp * VG * attention_block_tokens;
+        for (std::int64_t c = 0; c < VG; ++c) {
+          __m512 x = _mm512_load_ps(lane + c * 16);
+          x = _mm512_fmadd_ps(w0, _mm512_load_ps(tile + c * 32), x);
+          x = _mm512_fmadd_ps(w1, _mm512_load_ps(tile + c * 32 + 16), x);
+          _mm512_store_ps(lane + c * 16, x);
+        }
       }
-    }
-    h += hc;
   }
-  for (int h = 0; h < heads; ++h)
-    for (int c = 0; c < D; ++c) acc[h * D + c] += w.offsets[h * groups + c / VG];
+  finish_value_lanes(w.lanes, heads, D, VG, groups, w.offsets, acc);
 }
 
 /// 16 consecutive channels of a dense row as floats.
@@ -531,13 +701,20 @@ void compute_split(const Source& src, std::int64_t kv_head, const float* q, int 
   }
   for (int h = 0; h < heads; ++h) {
     float* s = w.scores + h * attention_split_tokens;
+    if constexpr (Variant::has_logit_transform)
+      for (std::int64_t i = 0; i < n; ++i) s[i] = variant.transform_logit(s[i]);
     float mx = attention_neg_inf;
-    for (std::int64_t i = 0; i < n; ++i) {
-      float x = s[i];
-      if constexpr (Variant::has_logit_transform) x = variant.transform_logit(x);
-      x = (t0 + i) < first_visible ? attention_neg_inf : x * attention_log2e;
-      s[i] = x;
-      mx = x > mx ? x : mx;
+#if LYNX_HOST_AVX512
+    if (simd) {
+      mx = prepare_scores_avx512(s, n, t0, first_visible);
+    } else
+#endif
+    {
+      for (std::int64_t i = 0; i < n; ++i) {
+        const float x = (t0 + i) < first_visible ? attention_neg_inf : s[i] * attention_log2e;
+        s[i] = x;
+        mx = x > mx ? x : mx;
+      }
     }
     m[h] = mx;
     if (!(mx > attention_neg_inf)) {
@@ -547,13 +724,22 @@ void compute_split(const Source& src, std::int64_t kv_head, const float* q, int 
       continue;
     }
 #if LYNX_HOST_AVX512
-    if (simd) exp2_shifted_avx512(s, n, mx);
-    else
+    if (simd) {
+      exp2_shifted_avx512(s, n, mx);
+      l[h] = fixed_order_sum_avx512(s, n);
+      continue;
+    }
 #endif
-      exp2_shifted_portable(s, n, mx);
+    exp2_shifted_portable(s, n, mx);
     l[h] = fixed_order_sum(s, n);
   }
-  if constexpr (requires { src.view; }) value_weights(src, kv_head, heads, t0, t1, w);
+  if constexpr (requires { src.view; }) {
+#if LYNX_HOST_AVX512
+    if (simd) value_weights_avx512(src, kv_head, heads, t0, t1, w);
+    else
+#endif
+      value_weights_portable(src, kv_head, heads, t0, t1, w);
+  }
 #if LYNX_HOST_AVX512
   if (simd) {
     accumulate_values_avx512(src, kv_head, heads, t0, t1, acc, w);

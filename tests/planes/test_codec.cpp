@@ -823,6 +823,11 @@ TEST_CASE_TEMPLATE_DEFINE("bad input is rejected with the right error and the te
             "stream index past the plan");
     rejects(lynx::errc::corrupted_segment, with_header(seg, [](lynx::segment_header& h) { h.payload_bytes += 64; }, true), "payload size");
     rejects(lynx::errc::plan_mismatch, with_header(seg, [](lynx::segment_header& h) { h.value_group = 16; }, true), "value group");
+    // A stream count past max_streams must be reported, not read past the widths array.
+    rejects(lynx::errc::plan_mismatch, with_header(seg, [](lynx::segment_header& h) { h.streams = 200; }, true), "200 streams");
+    lynx::plan_desc many = lynx::plan_desc::of<Plan>();
+    many.streams = 200;
+    CHECK(many.name().find("more streams") != std::string::npos);
   }
 
   SUBCASE("a conflicting duplicate: same stream, different content") {

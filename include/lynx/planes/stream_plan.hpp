@@ -82,8 +82,11 @@ struct plan_desc {
   friend constexpr bool operator==(const plan_desc&, const plan_desc&) = default;
 
   std::string name() const {
+    // A descriptor read from a corrupted header may claim more than max_streams
+    // streams: name only the widths there are, never read past the array.
     std::string n = std::to_string(bits) + " =";
-    for (int i = 0; i < streams; ++i) n += (i ? " + " : " ") + std::to_string(widths[static_cast<std::size_t>(i)]);
+    for (int i = 0; i < streams && i < max_streams; ++i) n += (i ? " + " : " ") + std::to_string(widths[static_cast<std::size_t>(i)]);
+    if (streams > max_streams) n += " (+ " + std::to_string(streams - max_streams) + " more streams)";
     return n;
   }
 };

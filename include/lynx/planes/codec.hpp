@@ -16,6 +16,7 @@
 
 #include "lynx/backend/host/codec_kernels.hpp"
 #include "lynx/backend/host/parallel.hpp"
+#include "lynx/backend/host/simd_kernels.hpp"
 #include "lynx/core/buffer.hpp"
 #include "lynx/core/error.hpp"
 #include "lynx/core/types.hpp"
@@ -130,7 +131,7 @@ void encode_into(kv_view<const T, host_space> keys, kv_view<const T, host_space>
   detail::check_input_views(keys, values);
   const layer_geometry g = make_geometry<Plan, G>(keys.shape);
   detail::check_output_spans(g, out);
-  detail::zero_padding(g, out);
+  detail::zero_section_gaps(g, out);
   constexpr int B = Plan::bits;
   const std::int64_t D = g.head_dim;
   std::byte* anchor = out[0].data() + segment_header_bytes;
@@ -140,6 +141,48 @@ void encode_into(kv_view<const T, host_space> keys, kv_view<const T, host_space>
   auto* value_zero = reinterpret_cast<float*>(anchor + g.value_zero_offset());
   const std::int64_t key_params_per_head = g.key_token_groups() * D;
   const std::int64_t value_params_per_head = g.tokens * g.value_channel_groups();
+
+#if LYNX_HOST_AVX512
+  // Vector path: one pass per (head, unit of whole blocks and key groups). On
+  // non-finite input it gives way to the portable path below, which reports it.
+  if (detail::simd::encode_supported(keys, values, g)) {
+    std::array<int, 16> plane_stream{}, plane_local{};
+    for (int s = 0, j = 0; s < Plan::streams; ++s)
+      for (int jl = 0; jl < g.planes_in(s); ++jl, ++j) plane_stream[static_cast<std::size_t>(j)] = s, plane_local[static_cast<std::size_t>(j)] = jl;
+    std::array<std::uint32_t*, max_streams> key_words{}, value_words{};
+    for (int s = 0; s < Plan::streams; ++s) {
+      std::byte* payload = out[static_cast<std::size_t>(s)].data() + segment_header_bytes;
+      key_words[static_cast<std::size_t>(s)] = reinterpret_cast<std::uint32_t*>(payload + g.key_planes_offset(s));
+      value_words[static_cast<std::size_t>(s)] = reinterpret_cast<std::uint32_t*>(payload + g.value_planes_offset(s));
+    }
+    const std::int64_t unit = detail::simd::unit_tokens(g), units = ceil_div(g.tokens, unit);
+    bool vector_path_done = true;
+    try {
+      detail::parallel_for(options.threads, g.kv_heads * units, [&](std::int64_t i0, std::int64_t i1) {
+        detail::simd::encode_scratch scratch;
+        scratch.size_for(g);
+        for (std::int64_t i = i0; i < i1; ++i) {
+          const std::int64_t h = i / units, u0 = (i % units) * unit, u1 = std::min<std::int64_t>(u0 + unit, g.tokens);
+          auto plane_row = [&](const std::array<std::uint32_t*, max_streams>& words) {
+            return [&, h](std::int64_t b, int j) {
+              const int s = plane_stream[static_cast<std::size_t>(j)];
+              return words[static_cast<std::size_t>(s)] + g.word_index(s, h, b, plane_local[static_cast<std::size_t>(j)], 0);
+            };
+          };
+          detail::simd::encode_unit<B, T>(keys, values, g, h, u0, u1, key_scale + h * key_params_per_head, key_zero + h * key_params_per_head,
+                                          value_scale + h * value_params_per_head, value_zero + h * value_params_per_head,
+                                          plane_row(key_words), plane_row(value_words), scratch);
+        }
+      });
+    } catch (const detail::simd::needs_portable_path&) {
+      vector_path_done = false;
+    }
+    if (vector_path_done) {
+      detail::finish_segments(g, layer, options.generation, out);
+      return;
+    }
+  }
+#endif
 
   // Phase 1: key parameters need whole token groups, which may span blocks.
   detail::parallel_for(options.threads, g.kv_heads, [&](std::int64_t h0, std::int64_t h1) {
@@ -311,6 +354,22 @@ void reconstruct(const bitplane_view<Plan, G, host_space>& v, kv_view<T, host_sp
   const float half = midpoint_offset<B>(P);
   const std::int64_t D = g.head_dim, T_ = g.tokens, VG = g.value_group, VGs = g.value_channel_groups();
   const std::int64_t blocks = g.blocks();
+#if LYNX_HOST_AVX512
+  if (detail::simd::reconstruct_supported(keys_out, values_out, g)) {
+    detail::parallel_for(options.threads, g.kv_heads * blocks, [&](std::int64_t i0, std::int64_t i1) {
+      aligned_buffer stage(static_cast<std::size_t>(2 * D / 16 * 8) * sizeof(__m512i));
+      auto* stage_hi = reinterpret_cast<__m512i*>(stage.data());
+      for (std::int64_t i = i0; i < i1; ++i) {
+        const std::int64_t h = i / blocks, b = i % blocks;
+        detail::simd::reconstruct_block<B, T>(
+            g, h, b, P, half, v.key_scale(), v.key_zero(), v.value_scale(), v.value_zero(),
+            [&](bool keys, const std::uint32_t** rows) { detail::block_plane_rows(v, keys, h, b, P, rows); }, keys_out, values_out,
+            stage_hi, stage_hi + D / 16 * 8);
+      }
+    });
+    return;
+  }
+#endif
   detail::parallel_for(options.threads, g.kv_heads * blocks, [&](std::int64_t i0, std::int64_t i1) {
     std::vector<std::uint32_t> codes(static_cast<std::size_t>(tokens_per_word * D));
     std::vector<float> row(static_cast<std::size_t>(D));

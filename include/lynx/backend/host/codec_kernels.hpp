@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -15,9 +16,29 @@
 #include "lynx/core/view.hpp"
 #include "lynx/planes/bitplane.hpp"
 #include "lynx/planes/layout.hpp"
+#include "lynx/planes/segment.hpp"
 #include "lynx/quant/quantizer.hpp"
 
 namespace lynx::detail {
+
+/// Zeroes the alignment padding after every section of every stream's payload
+/// (everything else is written by the encoder), so segments are deterministic bytes.
+inline void zero_section_gaps(const layer_geometry& g, std::span<const std::span<std::byte>> out) {
+  for (int s = 0; s < g.plan.streams; ++s) {
+    std::byte* payload = out[static_cast<std::size_t>(s)].data() + segment_header_bytes;
+    auto gap = [&](std::int64_t data_end, std::int64_t next_section) {
+      std::memset(payload + data_end, 0, static_cast<std::size_t>(next_section - data_end));
+    };
+    if (s == 0) {
+      gap(g.key_scale_offset() + g.key_params() * 4, g.key_zero_offset());
+      gap(g.key_zero_offset() + g.key_params() * 4, g.value_scale_offset());
+      gap(g.value_scale_offset() + g.value_params() * 4, g.value_zero_offset());
+      gap(g.value_zero_offset() + g.value_params() * 4, g.params_bytes());
+    }
+    gap(g.key_planes_offset(s) + g.plane_words(s) * 4, g.value_planes_offset(s));
+    gap(g.value_planes_offset(s) + g.plane_words(s) * 4, g.payload_bytes(s));
+  }
+}
 
 /// Reports the first non-finite element of a group with its coordinates.
 template <class T>

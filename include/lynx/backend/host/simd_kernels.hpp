@@ -1,0 +1,512 @@
+// AVX-512 host kernels of the codecs (AVX-512 F/BW/VBMI + GFNI), bit-identical to
+// the portable kernels in codec_kernels.hpp, which stay the fallback and the
+// reference. Compiled only when the target has those extensions
+// (LYNX_HOST_AVX512 == 1); callers test `encode_supported` / `reconstruct_supported`.
+//
+// Data flow of one 32-token block of one head, per 16-channel chunk q:
+//   encode:      16-bit input -> float -> code (sub, mul, clamp, cvtps2dq: the same
+//                IEEE operations and round-half-even as quantize_value) -> code
+//                bytes, 4 tokens x 16 channels per vector (packssdw/packuswb)
+//                -> byte network -> one qword per (channel, 8 tokens)
+//                -> gf2p8affineqb (8x8 bit transpose) -> one byte per plane
+//                -> byte network -> 16 plane words per plane, stored in place.
+//   reconstruct: the same steps backwards, then fma(scale, level, zero) per element.
+// Codes wider than 8 bits travel as two byte matrices: hi = code >> (B-8)
+// (planes 0-7) and lo = code << (16-B) (planes 8..B-1 at the top of a byte).
+// Group minima/maxima use the same (a < b ? a : b) selections as the portable
+// code; where a reduction order could change which zero (+0 or -0) is kept,
+// the group is recomputed by the portable loop.
+#pragma once
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VBMI__) && defined(__GFNI__)
+#define LYNX_HOST_AVX512 1
+#else
+#define LYNX_HOST_AVX512 0
+#endif
+
+#if LYNX_HOST_AVX512
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "lynx/core/buffer.hpp"
+#include "lynx/core/types.hpp"
+#include "lynx/core/view.hpp"
+#include "lynx/planes/layout.hpp"
+#include "lynx/quant/quantizer.hpp"
+
+namespace lynx::detail::simd {
+
+/// Thrown by the fast encode on non-finite input or an overflowing range; the
+/// caller reruns the portable path, which reports the canonical error.
+struct needs_portable_path {};
+
+// ---------------------------------------------------------------------------
+// Byte networks: a fixed permutation of 8 vectors (512 bytes) done by three
+// levels of two-source byte permutes (vpermt2b). Level L exchanges bytes
+// between vectors whose index differs in bit L, moving each byte toward its
+// destination vector; the last level puts it at its final position. Any
+// permutation in which every input vector sends exactly 8 bytes to every
+// output vector routes this way; the tables are built at compile time.
+struct byte_network {
+  alignas(64) std::array<std::array<std::array<std::uint8_t, 64>, 8>, 3> index{};
+};
+
+/// dest(i, p) -> {o, q}: byte p of input vector i goes to byte q of output vector o.
+template <class Dest>
+constexpr byte_network make_network(Dest dest) {
+  byte_network net;
+  std::array<int, 512> vec{}, pos{}, out_vec{}, out_pos{};
+  for (int i = 0; i < 8; ++i)
+    for (int p = 0; p < 64; ++p) {
+      const auto d = dest(i, p);
+      vec[i * 64 + p] = i;
+      pos[i * 64 + p] = p;
+      out_vec[i * 64 + p] = d.first;
+      out_pos[i * 64 + p] = d.second;
+    }
+  for (int level = 0; level < 3; ++level) {
+    const int bit = 1 << level;
+    std::array<int, 8> fill{};
+    std::array<int, 512> new_vec{}, new_pos{};
+    for (int id = 0; id < 512; ++id) {
+      const int n = (vec[id] & ~bit) | (out_vec[id] & bit);
+      const int q = level == 2 ? out_pos[id] : fill[n]++;
+      if (q >= 64) throw "byte network: a vector overflows (the permutation is not uniform)";
+      net.index[level][n][q] = static_cast<std::uint8_t>((vec[id] == (n & ~bit) ? 0 : 64) + pos[id]);
+      new_vec[id] = n;
+      new_pos[id] = q;
+    }
+    vec = new_vec;
+    pos = new_pos;
+  }
+  return net;
+}
+
+LYNX_ALWAYS_INLINE void run_network(const byte_network& net, __m512i (&v)[8]) {
+  for (int level = 0; level < 3; ++level) {
+    const int bit = 1 << level;
+    __m512i next[8];
+    for (int n = 0; n < 8; ++n)
+      next[n] = _mm512_permutex2var_epi8(v[n & ~bit], _mm512_load_si512(net.index[level][n].data()), v[n | bit]);
+    for (int n = 0; n < 8; ++n) v[n] = next[n];
+  }
+}
+
+// Code bytes of a chunk as the packs leave them: vector i holds tokens 4i..4i+3;
+// byte 16l + k (128-bit lane l) is token 4i + k/4, channel 4l + k%4.
+constexpr std::pair<int, int> packed_token_channel(int i, int p) {
+  const int l = p / 16, k = p % 16;
+  return {4 * i + k / 4, 4 * l + k % 4};
+}
+// Qword layout before the bit transpose: vector c/2, qword (c%2)*4 + t/8,
+// byte 7 - t%8 (reversed, so that bit b of a plane byte is token 8g + b).
+constexpr std::pair<int, int> qword_slot(int t, int c) { return {c / 2, ((c % 2) * 4 + t / 8) * 8 + 7 - t % 8}; }
+// After the bit transpose, byte j of qword (c, g) is plane j of tokens 8g..8g+7;
+// plane vector j holds the 16 plane words of the chunk: byte 4c + g.
+constexpr std::pair<int, int> plane_slot(int o, int p) {
+  const int k = p / 8, j = p % 8;
+  const int c = 2 * o + k / 4, g = k % 4;
+  return {j, 4 * c + g};
+}
+
+inline constexpr byte_network pack_gather = make_network([](int i, int p) {
+  const auto tc = packed_token_channel(i, p);
+  return qword_slot(tc.first, tc.second);
+});
+inline constexpr byte_network pack_scatter = make_network([](int o, int p) { return plane_slot(o, p); });
+
+// Reconstruct runs the inverses: plane vectors -> qwords (c, g) with byte j = plane j,
+// then (after the transpose, byte b of qword (c, g) = code of token 8g + b) ->
+// natural rows: vector i = tokens 4i..4i+3, byte 16*(t%4) + c.
+inline constexpr byte_network unpack_gather = make_network([](int j, int p) {
+  const int c = p / 4, g = p % 4;
+  return std::pair<int, int>{c / 2, ((c % 2) * 4 + g) * 8 + j};
+});
+inline constexpr byte_network unpack_scatter = make_network([](int o, int p) {
+  const int k = p / 8, b = p % 8;
+  const int c = 2 * o + k / 4, t = (k % 4) * 8 + b;
+  return std::pair<int, int>{t / 4, 16 * (t % 4) + c};
+});
+
+// gf2p8affineqb(x, A): bit b of result byte i = parity(A.byte[7-b] & x.byte[i]);
+// with x.byte[i] a single bit it is an 8x8 bit-matrix transpose of A.
+inline constexpr long long planes_of_tokens = 0x0102040810204080LL;  // x.byte[i] = 1 << (7-i)
+inline constexpr long long tokens_of_planes = static_cast<long long>(0x8040201008040201ULL);  // x.byte[i] = 1 << i
+
+// ---------------------------------------------------------------------------
+// Element loads and stores (16 elements).
+
+template <class T>
+LYNX_ALWAYS_INLINE __m512 load16(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm512_loadu_ps(p);
+  } else if constexpr (std::is_same_v<T, bf16>) {
+    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+  } else {
+    // vcvtph2ps is exact for every finite half, as fp16_bits_to_float; non-finite
+    // input is rejected (and reported by the portable path) anyway.
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+}
+
+template <class T>
+LYNX_ALWAYS_INLINE void store16(T* p, __m512 x) {
+  if constexpr (std::is_same_v<T, float>) {
+    _mm512_storeu_ps(p, x);
+  } else if constexpr (std::is_same_v<T, bf16>) {
+    // float_to_bf16_bits: round to nearest even on the bits; NaN keeps its top
+    // bits with the quiet bit set. (vcvtneps2bf16 flushes denormals, so not used.)
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+  } else {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+}
+
+// quantize_value with vectors: clamp((x - zero) * inv, 0, max) then round half to
+// even (cvtps2dq in the default rounding mode equals (t + 2^23) - 2^23 for
+// 0 <= t < 2^23).
+template <int Bits>
+LYNX_ALWAYS_INLINE __m512i quantize16(__m512 x, __m512 zero, __m512 inv) {
+  __m512 t = _mm512_mul_ps(_mm512_sub_ps(x, zero), inv);
+  t = _mm512_max_ps(t, _mm512_setzero_ps());                              // t > 0 ? t : 0
+  t = _mm512_min_ps(t, _mm512_set1_ps(static_cast<float>(max_code<Bits>)));  // t < max ? t : max
+  return _mm512_cvtps_epi32(t);
+}
+
+// make_group_params + inverse_scale for 16 groups; sets `bad` on an overflowing range.
+template <int Bits>
+LYNX_ALWAYS_INLINE void group_params16(__m512 lo, __m512 hi, __m512& scale, __m512& inv, __mmask16& bad) {
+  const __m512 range = _mm512_sub_ps(hi, lo);
+  bad |= _mm512_cmp_ps_mask(range, _mm512_set1_ps(3.4028234663852886e38f), _CMP_NLE_UQ);
+  const __mmask16 nonconstant = _mm512_cmp_ps_mask(range, _mm512_set1_ps(min_group_range), _CMP_GE_OQ);
+  scale = _mm512_maskz_div_ps(nonconstant, range, _mm512_set1_ps(static_cast<float>(max_code<Bits>)));
+  const __mmask16 positive = _mm512_cmp_ps_mask(scale, _mm512_setzero_ps(), _CMP_GT_OQ);
+  inv = _mm512_maskz_div_ps(positive, _mm512_set1_ps(1.0f), scale);
+}
+
+// Accumulates NaN when x holds a NaN or an infinity (x * 0 is then NaN).
+LYNX_ALWAYS_INLINE __m512 track_non_finite(__m512 acc, __m512 x) { return _mm512_fmadd_ps(x, _mm512_setzero_ps(), acc); }
+
+// Reduces 16 vectors to one: lane k = min (max) over the lanes of m[k]. Pairwise
+// merges halve the lanes per group; values are exact, the sign of a zero result
+// is not (callers recompute such groups).
+struct reduce_tables {
+  alignas(64) std::int32_t x[4][16]{}, y[4][16]{};
+};
+constexpr reduce_tables make_reduce_tables() {
+  reduce_tables r;
+  int step = 0;
+  for (int width = 16; width > 1; width /= 2, ++step) {
+    const int half = width / 2;
+    for (int lane = 0; lane < 16; ++lane) {
+      // lanes 0-7 from the first vector, 8-15 from the second (index + 16)
+      const int side = lane < 8 ? 0 : 16, within = lane % 8, group = within / half, sub = within % half;
+      r.x[step][lane] = side + group * width + sub;
+      r.y[step][lane] = side + group * width + sub + half;
+    }
+  }
+  return r;
+}
+inline constexpr reduce_tables reduce_index = make_reduce_tables();
+
+template <bool Max>
+LYNX_ALWAYS_INLINE __m512 reduce16(__m512 (&m)[16]) {
+  int count = 16;
+  for (int step = 0; step < 4; ++step) {
+    const __m512i x_index = _mm512_load_si512(reduce_index.x[step]), y_index = _mm512_load_si512(reduce_index.y[step]);
+    for (int k = 0; k < count / 2; ++k) {
+      const __m512 x = _mm512_permutex2var_ps(m[2 * k], x_index, m[2 * k + 1]);
+      const __m512 y = _mm512_permutex2var_ps(m[2 * k], y_index, m[2 * k + 1]);
+      m[k] = Max ? _mm512_max_ps(x, y) : _mm512_min_ps(x, y);
+    }
+    count /= 2;
+  }
+  return m[0];
+}
+
+// ---------------------------------------------------------------------------
+// Encode.
+
+template <class T>
+bool encode_supported(const kv_view<const T, host_space>& keys, const kv_view<const T, host_space>& values, const layer_geometry& g) {
+  return keys.channel_stride == 1 && values.channel_stride == 1 && g.head_dim % 16 == 0 && g.value_group % 16 == 0 &&
+         (g.key_group % tokens_per_word == 0 || tokens_per_word % g.key_group == 0);
+}
+
+/// Tokens of one work unit: whole blocks and whole key groups.
+inline std::int64_t unit_tokens(const layer_geometry& g) { return std::max<std::int64_t>(g.key_group, tokens_per_word); }
+
+/// Per-thread scratch of the encoder.
+struct encode_scratch {
+  std::vector<float> key_inv;            // [key groups in a unit][head_dim]
+  std::vector<float> value_zero, value_inv;  // [32 tokens][value groups]
+  aligned_buffer stage_hi_bytes, stage_lo_bytes;  // [head_dim / 16][8] vectors of code bytes of one block
+  __m512i* stage_hi = nullptr;
+  __m512i* stage_lo = nullptr;
+  void size_for(const layer_geometry& g) {
+    const std::int64_t D = g.head_dim;
+    key_inv.resize(static_cast<std::size_t>(ceil_div(unit_tokens(g), g.key_group) * D));
+    value_zero.resize(static_cast<std::size_t>(tokens_per_word * g.value_channel_groups() + 16));
+    value_inv.resize(value_zero.size());
+    stage_hi_bytes = aligned_buffer(static_cast<std::size_t>(D / 16 * 8) * sizeof(__m512i));
+    stage_lo_bytes = aligned_buffer(stage_hi_bytes.size());
+    stage_hi = reinterpret_cast<__m512i*>(stage_hi_bytes.data());
+    stage_lo = reinterpret_cast<__m512i*>(stage_lo_bytes.data());
+  }
+};
+
+// Splits 4 code vectors (4 tokens, 16 channels each) into hi/lo code bytes.
+template <int Bits>
+LYNX_ALWAYS_INLINE void stage_codes(__m512i c0, __m512i c1, __m512i c2, __m512i c3, __m512i* hi, __m512i* lo) {
+  if constexpr (Bits == 8) {
+    *hi = _mm512_packus_epi16(_mm512_packs_epi32(c0, c1), _mm512_packs_epi32(c2, c3));
+  } else {
+    constexpr int down = Bits - 8, up = 16 - Bits;
+    const __m512i byte = _mm512_set1_epi32(0xff);
+    *hi = _mm512_packus_epi16(_mm512_packs_epi32(_mm512_srli_epi32(c0, down), _mm512_srli_epi32(c1, down)),
+                              _mm512_packs_epi32(_mm512_srli_epi32(c2, down), _mm512_srli_epi32(c3, down)));
+    *lo = _mm512_packus_epi16(
+        _mm512_packs_epi32(_mm512_and_si512(_mm512_slli_epi32(c0, up), byte), _mm512_and_si512(_mm512_slli_epi32(c1, up), byte)),
+        _mm512_packs_epi32(_mm512_and_si512(_mm512_slli_epi32(c2, up), byte), _mm512_and_si512(_mm512_slli_epi32(c3, up), byte)));
+  }
+}
+
+// Packs the staged code bytes of one block into plane words: planes [first, first + count)
+// of every chunk, written to plane_rows[first + j] + 16 q.
+inline void pack_stage(const __m512i* stage, std::int64_t D, int first, int count, std::uint32_t* const* plane_rows) {
+  const __m512i transpose = _mm512_set1_epi64(planes_of_tokens);
+  for (std::int64_t q = 0; q < D / 16; ++q) {
+    __m512i v[8];
+    for (int i = 0; i < 8; ++i) v[i] = stage[q * 8 + i];
+    run_network(pack_gather, v);
+    for (int i = 0; i < 8; ++i) v[i] = _mm512_gf2p8affine_epi64_epi8(transpose, v[i], 0);
+    run_network(pack_scatter, v);
+    for (int j = 0; j < count; ++j) _mm512_storeu_si512(plane_rows[first + j] + 16 * q, v[j]);
+  }
+}
+
+/// Encodes the blocks of tokens [u0, u1) of head h (u0 a multiple of unit_tokens):
+/// key parameters of the unit's key groups, then per block key codes, value
+/// parameters and value codes, packed straight into the segments' plane words.
+/// key_planes/value_planes(b, j): pointer to plane j's D words of block b.
+template <int Bits, class T, class KeyPlanes, class ValuePlanes>
+void encode_unit(const kv_view<const T, host_space>& keys, const kv_view<const T, host_space>& values, const layer_geometry& g,
+                 std::int64_t h, std::int64_t u0, std::int64_t u1, float* key_scale_head, float* key_zero_head, float* value_scale_head,
+                 float* value_zero_head, KeyPlanes&& key_planes, ValuePlanes&& value_planes, encode_scratch& s) {
+  const std::int64_t D = g.head_dim, chunks = D / 16, KG = g.key_group;
+  __m512 non_finite = _mm512_setzero_ps();
+  __mmask16 bad = 0;
+
+  // Key parameters, per channel over each key group of the unit (token order as the
+  // portable loop: l = v < l ? v : l from the group's first token).
+  const std::int64_t grp0 = u0 / KG;
+  for (std::int64_t grp = grp0; grp * KG < u1; ++grp) {
+    const std::int64_t t0 = grp * KG, t1 = std::min<std::int64_t>(t0 + KG, g.tokens);
+    for (std::int64_t q = 0; q < chunks; ++q) {
+      __m512 lo = load16(&keys(t0, h, 16 * q)), hi = lo;
+      for (std::int64_t t = t0; t < t1; ++t) {
+        const __m512 v = load16(&keys(t, h, 16 * q));
+        non_finite = track_non_finite(non_finite, v);
+        lo = _mm512_min_ps(v, lo);
+        hi = _mm512_max_ps(v, hi);
+      }
+      __m512 scale, inv;
+      group_params16<Bits>(lo, hi, scale, inv, bad);
+      _mm512_storeu_ps(key_scale_head + grp * D + 16 * q, scale);
+      _mm512_storeu_ps(key_zero_head + grp * D + 16 * q, lo);
+      _mm512_storeu_ps(s.key_inv.data() + (grp - grp0) * D + 16 * q, inv);
+    }
+  }
+  if (bad || _mm512_cmp_ps_mask(non_finite, non_finite, _CMP_UNORD_Q)) throw needs_portable_path{};
+
+  const std::int64_t VG = g.value_group, VGs = g.value_channel_groups(), per_group = VG / 16;
+  std::uint32_t* rows[16];
+  for (std::int64_t t0 = u0; t0 < u1; t0 += tokens_per_word) {
+    const std::int64_t b = t0 / tokens_per_word, n = std::min<std::int64_t>(tokens_per_word, g.tokens - t0);
+    // Keys: codes of 4 tokens at a time per chunk; tokens past n are code 0.
+    for (std::int64_t t = 0; t < tokens_per_word; t += 4) {
+      for (std::int64_t q = 0; q < chunks; ++q) {
+        __m512i c[4];
+        for (int k = 0; k < 4; ++k) {
+          if (t + k < n) {
+            const std::int64_t tok = t0 + t + k;
+            const float* inv = s.key_inv.data() + (tok / KG - grp0) * D + 16 * q;
+            const float* zero = key_zero_head + (tok / KG) * D + 16 * q;
+            c[k] = quantize16<Bits>(load16(&keys(tok, h, 16 * q)), _mm512_loadu_ps(zero), _mm512_loadu_ps(inv));
+          } else {
+            c[k] = _mm512_setzero_si512();
+          }
+        }
+        stage_codes<Bits>(c[0], c[1], c[2], c[3], &s.stage_hi[q * 8 + t / 4], &s.stage_lo[q * 8 + t / 4]);
+      }
+    }
+    for (int j = 0; j < Bits; ++j) rows[j] = key_planes(b, j);
+    pack_stage(s.stage_hi, D, 0, 8, rows);
+    if constexpr (Bits > 8) pack_stage(s.stage_lo, D, 8, Bits - 8, rows);
+
+    // Value parameters: per token over groups of VG channels, 16 groups at a time.
+    const std::int64_t groups = n * VGs;
+    float* vscale = value_scale_head + t0 * VGs;
+    float* vzero = value_zero_head + t0 * VGs;
+    for (std::int64_t f0 = 0; f0 < groups; f0 += 16) {
+      __m512 lo[16], hi[16];
+      const int batch = static_cast<int>(std::min<std::int64_t>(16, groups - f0));
+      for (int k = 0; k < 16; ++k) {
+        const std::int64_t f = f0 + std::min(k, batch - 1);
+        const std::int64_t tok = t0 + f / VGs, c0 = (f % VGs) * VG;
+        __m512 l = load16(&values(tok, h, c0)), u = l;
+        non_finite = track_non_finite(non_finite, l);
+        for (std::int64_t i = 1; i < per_group; ++i) {
+          const __m512 v = load16(&values(tok, h, c0 + 16 * i));
+          non_finite = track_non_finite(non_finite, v);
+          l = _mm512_min_ps(v, l);
+          u = _mm512_max_ps(v, u);
+        }
+        lo[k] = l;
+        hi[k] = u;
+      }
+      __m512 l = reduce16<false>(lo), u = reduce16<true>(hi);
+      // A zero minimum or maximum: which zero the portable loop keeps depends on order.
+      __mmask16 zeros = _mm512_cmp_ps_mask(l, _mm512_setzero_ps(), _CMP_EQ_OQ) | _mm512_cmp_ps_mask(u, _mm512_setzero_ps(), _CMP_EQ_OQ);
+      zeros &= static_cast<__mmask16>((1u << batch) - 1u);
+      if (zeros) {
+        alignas(64) float ls[16], us[16];
+        _mm512_store_ps(ls, l);
+        _mm512_store_ps(us, u);
+        for (int k = 0; k < batch; ++k)
+          if (zeros >> k & 1) {
+            const std::int64_t f = f0 + k, tok = t0 + f / VGs, c0 = (f % VGs) * VG;
+            float a = to_float(values(tok, h, c0)), z = a;
+            for (std::int64_t c = c0; c < c0 + VG; ++c) {
+              const float x = to_float(values(tok, h, c));
+              a = x < a ? x : a;
+              z = x > z ? x : z;
+            }
+            ls[k] = a;
+            us[k] = z;
+          }
+        l = _mm512_load_ps(ls);
+        u = _mm512_load_ps(us);
+      }
+      __m512 scale, inv;
+      group_params16<Bits>(l, u, scale, inv, bad);
+      const __mmask16 live = static_cast<__mmask16>((1u << batch) - 1u);
+      bad &= live;
+      _mm512_mask_storeu_ps(vscale + f0, live, scale);
+      _mm512_mask_storeu_ps(vzero + f0, live, l);
+      _mm512_storeu_ps(s.value_zero.data() + f0, l);
+      _mm512_storeu_ps(s.value_inv.data() + f0, inv);
+    }
+    if (bad || _mm512_cmp_ps_mask(non_finite, non_finite, _CMP_UNORD_Q)) throw needs_portable_path{};
+
+    // Value codes.
+    for (std::int64_t t = 0; t < tokens_per_word; t += 4) {
+      for (std::int64_t q = 0; q < chunks; ++q) {
+        __m512i c[4];
+        for (int k = 0; k < 4; ++k) {
+          if (t + k < n) {
+            const std::int64_t f = (t + k) * VGs + (16 * q) / VG;
+            c[k] = quantize16<Bits>(load16(&values(t0 + t + k, h, 16 * q)), _mm512_set1_ps(s.value_zero[static_cast<std::size_t>(f)]),
+                                    _mm512_set1_ps(s.value_inv[static_cast<std::size_t>(f)]));
+          } else {
+            c[k] = _mm512_setzero_si512();
+          }
+        }
+        stage_codes<Bits>(c[0], c[1], c[2], c[3], &s.stage_hi[q * 8 + t / 4], &s.stage_lo[q * 8 + t / 4]);
+      }
+    }
+    for (int j = 0; j < Bits; ++j) rows[j] = value_planes(b, j);
+    pack_stage(s.stage_hi, D, 0, 8, rows);
+    if constexpr (Bits > 8) pack_stage(s.stage_lo, D, 8, Bits - 8, rows);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Reconstruct.
+
+template <class T>
+bool reconstruct_supported(const kv_view<T, host_space>& keys_out, const kv_view<T, host_space>& values_out, const layer_geometry& g) {
+  return keys_out.channel_stride == 1 && values_out.channel_stride == 1 && g.head_dim % 16 == 0 && g.value_group % 16 == 0;
+}
+
+// Code bytes of one block from plane words: planes [first, first + count) of
+// plane_rows, as rows stage[q * 8 + t/4] byte 16*(t%4) + c.
+inline void unpack_stage(const std::uint32_t* const* plane_rows, int first, int count, std::int64_t D, __m512i* stage) {
+  const __m512i transpose = _mm512_set1_epi64(tokens_of_planes);
+  for (std::int64_t q = 0; q < D / 16; ++q) {
+    __m512i v[8];
+    for (int j = 0; j < 8; ++j) v[j] = j < count ? _mm512_loadu_si512(plane_rows[first + j] + 16 * q) : _mm512_setzero_si512();
+    run_network(unpack_gather, v);
+    for (int i = 0; i < 8; ++i) v[i] = _mm512_gf2p8affine_epi64_epi8(transpose, v[i], 0);
+    run_network(unpack_scatter, v);
+    for (int i = 0; i < 8; ++i) stage[q * 8 + i] = v[i];
+  }
+}
+
+// Codes (missing planes zero) of token t, channels 16q..16q+15, as dwords.
+template <int Bits>
+LYNX_ALWAYS_INLINE __m512i staged_codes(const __m512i* hi, const __m512i* lo, std::int64_t q, std::int64_t t) {
+  const auto* hb = reinterpret_cast<const __m128i*>(hi + q * 8 + t / 4) + t % 4;
+  const __m512i h = _mm512_cvtepu8_epi32(_mm_load_si128(hb));
+  if constexpr (Bits == 8) {
+    return h;
+  } else {
+    const auto* lb = reinterpret_cast<const __m128i*>(lo + q * 8 + t / 4) + t % 4;
+    const __m512i l = _mm512_cvtepu8_epi32(_mm_load_si128(lb));
+    return _mm512_or_si512(_mm512_slli_epi32(h, Bits - 8), _mm512_srli_epi32(l, 16 - Bits));
+  }
+}
+
+/// Reconstructs block b of head h (K and V) at P planes.
+template <int Bits, class T, class Rows>
+void reconstruct_block(const layer_geometry& g, std::int64_t h, std::int64_t b, int P, float half, const float* key_scale,
+                       const float* key_zero, const float* value_scale, const float* value_zero, Rows&& plane_rows,
+                       const kv_view<T, host_space>& keys_out, const kv_view<T, host_space>& values_out, __m512i* stage_hi, __m512i* stage_lo) {
+  const std::int64_t D = g.head_dim, chunks = D / 16, T_ = g.tokens;
+  const std::int64_t t0 = b * tokens_per_word, n = std::min<std::int64_t>(tokens_per_word, T_ - t0);
+  const __m512 half_v = _mm512_set1_ps(half);
+  const std::uint32_t* rows[16];
+  for (int which = 0; which < 2; ++which) {
+    plane_rows(which == 0, rows);
+    unpack_stage(rows, 0, std::min(P, 8), D, stage_hi);
+    if (Bits > 8 && P > 8) unpack_stage(rows, 8, P - 8, D, stage_lo);
+    else if (Bits > 8) std::fill(stage_lo, stage_lo + chunks * 8, _mm512_setzero_si512());
+    for (std::int64_t t = 0; t < n; ++t) {
+      if (which == 0) {
+        const std::int64_t base = (h * g.key_token_groups() + (t0 + t) / g.key_group) * D;
+        T* out = &keys_out(t0 + t, h, 0);
+        for (std::int64_t q = 0; q < chunks; ++q) {
+          const __m512 level = _mm512_add_ps(_mm512_cvtepi32_ps(staged_codes<Bits>(stage_hi, stage_lo, q, t)), half_v);
+          store16(out + 16 * q,
+                  _mm512_fmadd_ps(_mm512_loadu_ps(key_scale + base + 16 * q), level, _mm512_loadu_ps(key_zero + base + 16 * q)));
+        }
+      } else {
+        const std::int64_t base = (h * T_ + t0 + t) * g.value_channel_groups();
+        T* out = &values_out(t0 + t, h, 0);
+        for (std::int64_t q = 0; q < chunks; ++q) {
+          const std::int64_t grp = (16 * q) / g.value_group;
+          const __m512 level = _mm512_add_ps(_mm512_cvtepi32_ps(staged_codes<Bits>(stage_hi, stage_lo, q, t)), half_v);
+          store16(out + 16 * q, _mm512_fmadd_ps(_mm512_set1_ps(value_scale[base + grp]), level, _mm512_set1_ps(value_zero[base + grp])));
+        }
+      }
+    }
+  }
+}
+
+}  // namespace lynx::detail::simd
+
+#endif  // LYNX_HOST_AVX512

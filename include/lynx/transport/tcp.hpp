@@ -65,6 +65,13 @@ struct tcp_options {
   bool no_delay = true;
   /// SO_SNDBUF / SO_RCVBUF in bytes; 0 keeps the system's (auto-tuned) sizes.
   int socket_buffer_bytes = 0;
+  /// Sender: write residual-lane bytes only while the anchor lane has nothing
+  /// queued in the transport. Both connections usually cross one bottleneck,
+  /// where TCP shares bandwidth fairly between them; without this rule a
+  /// residual segment in flight takes half the link from the anchors. With it,
+  /// the residual competes only with the anchor bytes already in the anchor
+  /// socket's kernel buffer (at most its send buffer, a few MiB).
+  bool anchor_first_writes = true;
 };
 
 /// The fixed frames of the TCP wire format (see the top of this header).
@@ -465,7 +472,7 @@ class tcp_sender {
     const auto n = lanes_.size();
     for (std::size_t i = 0; i < n; ++i) {
       fds[i].fd = lanes_[i].socket.fd();
-      fds[i].events = static_cast<short>(POLLIN | (lanes_[i].queue.empty() ? 0 : POLLOUT));
+      fds[i].events = static_cast<short>(POLLIN | (may_write(i) ? POLLOUT : 0));
       fds[i].revents = 0;
     }
     const int ready = ::poll(fds, static_cast<nfds_t>(n), timeout_ms);
@@ -473,8 +480,15 @@ class tcp_sender {
       if (errno != EINTR) fail(errc::transport_failure, "tcp_sender: poll failed: " + detail::errno_text(errno));
       return;
     }
-    for (std::size_t i = 0; i < n && broken_ == errc::ok; ++i) write_lane(i);
+    for (std::size_t i = 0; i < n && broken_ == errc::ok; ++i)
+      if (may_write(i)) write_lane(i);
     for (std::size_t i = 0; i < n && broken_ == errc::ok; ++i) read_acks(i);
+  }
+
+  // Lane 0 always; lane 1 (with anchor_first_writes) only once lane 0's queue is empty.
+  [[nodiscard]] bool may_write(std::size_t lane) const noexcept {
+    if (lanes_[lane].queue.empty()) return false;
+    return lane == 0 || !options_.anchor_first_writes || lanes_[0].queue.empty();
   }
 
   void write_lane(std::size_t lane) {

@@ -28,17 +28,17 @@
 
 #if (defined(__x86_64__) || defined(_M_X64)) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
-#define LYNX_HOST_AVX512 1
-#define LYNX_AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,fma")))
+#define LYNX_ATTENTION_AVX512 1
+#define LYNX_ATTENTION_AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,fma")))
 #else
-#define LYNX_HOST_AVX512 0
+#define LYNX_ATTENTION_AVX512 0
 #endif
 
 namespace lynx::detail {
 
 /// True when this CPU runs the AVX-512 kernels.
 inline bool host_has_avx512() {
-#if LYNX_HOST_AVX512
+#if LYNX_ATTENTION_AVX512
   static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
   return yes;
@@ -63,6 +63,20 @@ struct plane_kv_source {
       for (int jl = 0; jl < g.planes_in(s) && j < planes; ++jl, ++j) rows[j] = base + g.word_index(s, h, b, jl, 0);
     }
   }
+  /// Asks the cache for block (h, b)'s plane words ahead of use (the walk is
+  /// sequential, but each block is small next to the work done on it).
+  void prefetch_block(bool keys, std::int64_t h, std::int64_t b) const {
+#if defined(__GNUC__) || defined(__clang__)
+    if (b >= view.geometry.blocks()) return;
+    const std::uint32_t* rows[16];
+    block_rows(keys, h, b, rows);
+    const std::int64_t D = view.geometry.head_dim;
+    for (int j = 0; j < planes; ++j)
+      for (std::int64_t c = 0; c < D; c += 16) __builtin_prefetch(rows[j] + c, 0, 3);
+#else
+    (void)keys, (void)h, (void)b;
+#endif
+  }
   [[nodiscard]] float level_unit() const { return static_cast<float>(1u << (Plan::bits - planes)); }
   [[nodiscard]] float half() const { return midpoint_offset<Plan::bits>(planes); }
 };
@@ -82,7 +96,7 @@ struct split_scratch {
   float* bias;     // [heads]
   float* weights;  // [heads][value groups][S]: value weights of the split
   float* offsets;  // [heads][value groups]
-  float* tile;     // [head_dim][32]: codes of one key block, lane = token
+  float* tile;     // [2][head_dim][32]: codes of two blocks, lane = token
   float* queries;  // [heads][head_dim]: the group's queries times the softmax scale
   float* lanes;    // [heads][head_dim][16]: value sums by token index mod 16 (bit-plane values)
 };
@@ -91,7 +105,7 @@ struct split_scratch {
 /// `value_groups` value channel groups per token.
 inline std::int64_t split_scratch_floats(std::int64_t heads, std::int64_t head_dim, std::int64_t value_groups) {
   const std::int64_t S = attention_split_tokens;
-  return heads * S + heads * head_dim + heads + heads * value_groups * S + heads * value_groups + head_dim * attention_block_tokens +
+  return heads * S + heads * head_dim + heads + heads * value_groups * S + heads * value_groups + 2 * head_dim * attention_block_tokens +
          heads * head_dim + heads * head_dim * 16 + 8 * 16;
 }
 
@@ -105,7 +119,7 @@ inline split_scratch carve_scratch(float* base, std::int64_t heads, std::int64_t
   s.weights = align(s.bias + heads);
   s.offsets = align(s.weights + heads * value_groups * S);
   s.tile = align(s.offsets + heads * value_groups);
-  s.queries = align(s.tile + head_dim * attention_block_tokens);
+  s.queries = align(s.tile + 2 * head_dim * attention_block_tokens);
   s.lanes = align(s.queries + heads * head_dim);
   return s;
 }
@@ -254,7 +268,7 @@ inline void exp2_shifted_portable(float* s, std::int64_t n, float m) {
 // ---------------------------------------------------------------------------
 // AVX-512 kernels.
 // ---------------------------------------------------------------------------
-#if LYNX_HOST_AVX512
+#if LYNX_ATTENTION_AVX512
 // GCC 12's AVX-512 headers build "undefined" vectors from self-initialised
 // locals, which -Wuninitialized reports once inlined into target functions.
 #if defined(__GNUC__) && !defined(__clang__)
@@ -263,7 +277,7 @@ inline void exp2_shifted_portable(float* s, std::int64_t n, float m) {
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #endif
 
-LYNX_AVX512_TARGET inline __m512 exp2_avx512(__m512 x) {
+LYNX_ATTENTION_AVX512_TARGET inline __m512 exp2_avx512(__m512 x) {
   const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.0f), _CMP_GT_OQ);
   const __m512 magic = _mm512_set1_ps(12582912.0f);
   const __m512 n = _mm512_sub_ps(_mm512_add_ps(x, magic), magic);
@@ -280,7 +294,7 @@ LYNX_AVX512_TARGET inline __m512 exp2_avx512(__m512 x) {
   return _mm512_maskz_mul_ps(live, p, _mm512_castsi512_ps(e));
 }
 
-LYNX_AVX512_TARGET inline void exp2_shifted_avx512(float* s, std::int64_t n, float m) {
+LYNX_ATTENTION_AVX512_TARGET inline void exp2_shifted_avx512(float* s, std::int64_t n, float m) {
   const __m512 mv = _mm512_set1_ps(m);
   std::int64_t i = 0;
   for (; i + 16 <= n; i += 16) _mm512_storeu_ps(s + i, exp2_avx512(_mm512_sub_ps(_mm512_loadu_ps(s + i), mv)));
@@ -291,7 +305,7 @@ LYNX_AVX512_TARGET inline void exp2_shifted_avx512(float* s, std::int64_t n, flo
 }
 
 /// fold_query_into_key_group, 16 channels per step (same operations per lane).
-LYNX_AVX512_TARGET inline float fold_query_avx512(const float* q, const float* scale, const float* zero, int D, float unit, float half,
+LYNX_ATTENTION_AVX512_TARGET inline float fold_query_avx512(const float* q, const float* scale, const float* zero, int D, float unit, float half,
                                                   float* qs) {
   const __m512 u = _mm512_set1_ps(unit), hv = _mm512_set1_ps(half);
   __m512 lane = _mm512_setzero_ps();
@@ -309,7 +323,7 @@ LYNX_AVX512_TARGET inline float fold_query_avx512(const float* q, const float* s
 
 /// value_weights_portable, 16 tokens per step (same operations per lane).
 template <stream_plan_type Plan, int G>
-LYNX_AVX512_TARGET void value_weights_avx512(const plane_kv_source<Plan, G>& src, std::int64_t kv_head, int heads, std::int64_t t0,
+LYNX_ATTENTION_AVX512_TARGET void value_weights_avx512(const plane_kv_source<Plan, G>& src, std::int64_t kv_head, int heads, std::int64_t t0,
                                              std::int64_t t1, const split_scratch& w) {
   const layer_geometry& g = src.view.geometry;
   const std::int64_t groups = g.value_channel_groups();
@@ -359,7 +373,7 @@ LYNX_AVX512_TARGET void value_weights_avx512(const plane_kv_source<Plan, G>& src
 }
 
 /// Logits to the log2 domain with tokens before first_visible masked; returns the max.
-LYNX_AVX512_TARGET inline float prepare_scores_avx512(float* s, std::int64_t n, std::int64_t t0, std::int64_t first_visible) {
+LYNX_ATTENTION_AVX512_TARGET inline float prepare_scores_avx512(float* s, std::int64_t n, std::int64_t t0, std::int64_t first_visible) {
   const __m512 log2e = _mm512_set1_ps(attention_log2e), ninf = _mm512_set1_ps(attention_neg_inf);
   __m512 mx = ninf;
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -378,7 +392,7 @@ LYNX_AVX512_TARGET inline float prepare_scores_avx512(float* s, std::int64_t n, 
 }
 
 /// fixed_order_sum, 16 lanes per step.
-LYNX_AVX512_TARGET inline float fixed_order_sum_avx512(const float* x, std::int64_t n) {
+LYNX_ATTENTION_AVX512_TARGET inline float fixed_order_sum_avx512(const float* x, std::int64_t n) {
   __m512 lane = _mm512_setzero_ps();
   for (std::int64_t i = 0; i < n; i += 16) {
     const __mmask16 live = n - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - i)) - 1u);
@@ -393,7 +407,7 @@ LYNX_AVX512_TARGET inline float fixed_order_sum_avx512(const float* x, std::int6
 
 /// Codes of one key block into tile[c][32] (lane = token), for P planes:
 /// plane j's bit of token t is rotated to bit P-1-j and merged.
-LYNX_AVX512_TARGET inline void decode_key_block_avx512(const std::uint32_t* const* rows, int planes, int D, float* tile) {
+LYNX_ATTENTION_AVX512_TARGET inline void decode_key_block_avx512(const std::uint32_t* const* rows, int planes, int D, float* tile) {
   __m512i rot[16][2];
   __m512i bit[16];
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -415,7 +429,7 @@ LYNX_AVX512_TARGET inline void decode_key_block_avx512(const std::uint32_t* cons
   }
 }
 
-#define LYNX_GFNI_TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vbmi,gfni,fma")))
+#define LYNX_ATTENTION_GFNI_TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vbmi,gfni,fma")))
 
 inline bool host_has_gfni() {
   static const bool yes = host_has_avx512() && __builtin_cpu_supports("gfni") && __builtin_cpu_supports("avx512vbmi");
@@ -428,7 +442,7 @@ inline bool host_has_gfni() {
 /// 8x8 bit matrix, giving one byte per token with plane 0 in the top bit
 /// (= prefix << (8 - planes) for up to 8 planes). Planes 8..15 make a low byte.
 /// tile[c][32] receives float(prefix << (decoded_bits - P)), decoded_bits = 8 or 16.
-LYNX_GFNI_TARGET inline void transpose_planes_gfni(const std::uint32_t* const* rows, int first, int count, int c0, __m512i out[2][2][2]) {
+LYNX_ATTENTION_GFNI_TARGET inline void transpose_planes_gfni(const std::uint32_t* const* rows, int first, int count, int c0, __m512i out[2][2][2]) {
   __m512i wv[8];
   for (int j = 0; j < 8; ++j) wv[j] = j < count ? _mm512_loadu_si512(rows[first + j] + c0) : _mm512_setzero_si512();
   __m512i a[4][2], bq[2][2][2];
@@ -450,7 +464,7 @@ LYNX_GFNI_TARGET inline void transpose_planes_gfni(const std::uint32_t* const* r
     }
 }
 
-LYNX_GFNI_TARGET inline void decode_block_gfni(const std::uint32_t* const* rows, int planes, int D, float* tile) {
+LYNX_ATTENTION_GFNI_TARGET inline void decode_block_gfni(const std::uint32_t* const* rows, int planes, int D, float* tile) {
   __m512i zext[4];
   for (int L = 0; L < 4; ++L) {
     alignas(64) std::uint8_t idx[64];
@@ -473,12 +487,54 @@ LYNX_GFNI_TARGET inline void decode_block_gfni(const std::uint32_t* const* rows,
   }
 }
 
+/// Scores of HC heads against one key block, decoding 16 channels at a time in
+/// registers (no tile in memory) and multiplying right away; each head's two
+/// token halves accumulate in channel order, exactly as score_block_avx512.
+template <int HC>
+LYNX_ATTENTION_GFNI_TARGET inline void score_block_fused_gfni(const std::uint32_t* const* rows, int planes, int D, const float* qs,
+                                                              const float* bias, float* out) {
+  __m512i zext[4];
+  for (int L = 0; L < 4; ++L) zext[L] = _mm512_add_epi8(_mm512_set1_epi8(static_cast<char>(16 * L)),
+                                                         _mm512_set_epi8(15, 15, 15, 15, 14, 14, 14, 14, 13, 13, 13, 13, 12, 12, 12, 12,
+                                                                         11, 11, 11, 11, 10, 10, 10, 10, 9, 9, 9, 9, 8, 8, 8, 8, 7, 7, 7, 7,
+                                                                         6, 6, 6, 6, 5, 5, 5, 5, 4, 4, 4, 4, 3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1,
+                                                                         1, 0, 0, 0, 0));
+  const __mmask64 low_bytes = 0x1111111111111111ull;
+  __m512 a[HC][2];
+  for (int h = 0; h < HC; ++h) a[h][0] = a[h][1] = _mm512_set1_ps(bias[h]);
+  for (int c0 = 0; c0 < D; c0 += 16) {
+    __m512i hi[2][2][2], lo[2][2][2];
+    transpose_planes_gfni(rows, 0, planes < 8 ? planes : 8, c0, hi);
+    if (planes > 8) transpose_planes_gfni(rows, 8, planes - 8, c0, lo);
+    for (int L = 0; L < 4; ++L)
+      for (int m = 0; m < 4; ++m) {
+        const int c = c0 + 4 * L + m;
+        __m512 k[2];
+        for (int s3 = 0; s3 < 2; ++s3) {
+          __m512i code = _mm512_maskz_permutexvar_epi8(low_bytes, zext[L], hi[m >> 1][m & 1][s3]);
+          if (planes > 8)
+            code = _mm512_or_si512(_mm512_slli_epi32(code, 8), _mm512_maskz_permutexvar_epi8(low_bytes, zext[L], lo[m >> 1][m & 1][s3]));
+          k[s3] = _mm512_cvtepi32_ps(code);
+        }
+        for (int h = 0; h < HC; ++h) {
+          const __m512 qv = _mm512_set1_ps(qs[h * D + c]);
+          a[h][0] = _mm512_fmadd_ps(qv, k[0], a[h][0]);
+          a[h][1] = _mm512_fmadd_ps(qv, k[1], a[h][1]);
+        }
+      }
+  }
+  for (int h = 0; h < HC; ++h) {
+    _mm512_storeu_ps(out + h * attention_split_tokens, a[h][0]);
+    _mm512_storeu_ps(out + h * attention_split_tokens + 16, a[h][1]);
+  }
+}
+
 /// Bits of the integers decode_block writes: prefix << (decoded_bits(P) - P).
 inline int decoded_bits(int planes) { return planes > 8 ? 16 : 8; }
 
 /// Codes of one block into tile[c][32]: the GFNI transposer where the CPU has
 /// it (then values are prefix << (decoded_bits - P)), else rotations (prefix).
-LYNX_AVX512_TARGET inline int decode_block(const std::uint32_t* const* rows, int planes, int D, float* tile) {
+LYNX_ATTENTION_AVX512_TARGET inline int decode_block(const std::uint32_t* const* rows, int planes, int D, float* tile) {
   if (host_has_gfni() && D % 16 == 0) {
     decode_block_gfni(rows, planes, D, tile);
     return decoded_bits(planes) - planes;
@@ -489,7 +545,7 @@ LYNX_AVX512_TARGET inline int decode_block(const std::uint32_t* const* rows, int
 
 /// scores of up to 4 heads against one decoded key block: s = bias + sum_c qs[c] * code[c], channel order.
 template <int HC>
-LYNX_AVX512_TARGET inline void score_block_avx512(const float* tile, int D, const float* qs, const float* bias, float* out) {
+LYNX_ATTENTION_AVX512_TARGET inline void score_block_avx512(const float* tile, int D, const float* qs, const float* bias, float* out) {
   __m512 a[HC][2];
   for (int h = 0; h < HC; ++h) a[h][0] = a[h][1] = _mm512_set1_ps(bias[h]);
   for (int c = 0; c < D; ++c) {
@@ -507,12 +563,13 @@ LYNX_AVX512_TARGET inline void score_block_avx512(const float* tile, int D, cons
 }
 
 template <stream_plan_type Plan, int G>
-LYNX_AVX512_TARGET void score_tokens_avx512(const plane_kv_source<Plan, G>& src, std::int64_t kv_head, const float* q, int heads,
+LYNX_ATTENTION_AVX512_TARGET void score_tokens_avx512(const plane_kv_source<Plan, G>& src, std::int64_t kv_head, const float* q, int heads,
                                             std::int64_t t0, std::int64_t t1, const split_scratch& w) {
   const layer_geometry& g = src.view.geometry;
   const int D = static_cast<int>(g.head_dim);
   // the tile holds prefix << shift: fold 2^-shift into the query (exact, a power of two)
-  const int shift = host_has_gfni() && D % 16 == 0 ? decoded_bits(src.planes) - src.planes : 0;
+  const bool gfni = host_has_gfni() && D % 16 == 0;
+  const int shift = gfni ? decoded_bits(src.planes) - src.planes : 0;
   const float unit = std::ldexp(src.level_unit(), -shift), half = src.half();
   const std::uint32_t* rows[16];
   std::int64_t folded_group = -1;
@@ -526,9 +583,27 @@ LYNX_AVX512_TARGET void score_tokens_avx512(const plane_kv_source<Plan, G>& src,
                                               w.qs + h * D);
       folded_group = grp;
     }
+    src.prefetch_block(true, kv_head, b + 2);
     src.block_rows(true, kv_head, b, rows);
-    decode_block(rows, src.planes, D, w.tile);
     float* out = w.scores + (tb - t0);
+    if (gfni) {  // the GFNI decoder: fused, 8 heads at a time
+      for (int h = 0; h < heads; h += 8) {
+        const float* qh = w.qs + h * D;
+        float* o = out + h * attention_split_tokens;
+        switch (std::min(8, heads - h)) {
+          case 1: score_block_fused_gfni<1>(rows, src.planes, D, qh, w.bias + h, o); break;
+          case 2: score_block_fused_gfni<2>(rows, src.planes, D, qh, w.bias + h, o); break;
+          case 3: score_block_fused_gfni<3>(rows, src.planes, D, qh, w.bias + h, o); break;
+          case 4: score_block_fused_gfni<4>(rows, src.planes, D, qh, w.bias + h, o); break;
+          case 5: score_block_fused_gfni<5>(rows, src.planes, D, qh, w.bias + h, o); break;
+          case 6: score_block_fused_gfni<6>(rows, src.planes, D, qh, w.bias + h, o); break;
+          case 7: score_block_fused_gfni<7>(rows, src.planes, D, qh, w.bias + h, o); break;
+          default: score_block_fused_gfni<8>(rows, src.planes, D, qh, w.bias + h, o); break;
+        }
+      }
+      continue;
+    }
+    decode_block(rows, src.planes, D, w.tile);
     int h = 0;
     for (; h + 4 <= heads; h += 4) score_block_avx512<4>(w.tile, D, w.qs + h * D, w.bias + h, out + h * attention_split_tokens);
     switch (heads - h) {
@@ -540,40 +615,75 @@ LYNX_AVX512_TARGET void score_tokens_avx512(const plane_kv_source<Plan, G>& src,
   }
 }
 
-/// Values over tokens [t0, t1) with lane = token (see accumulate_values_portable).
+/// Adds `blocks` (1 or 2) decoded value blocks to the lanes of HC heads, channel
+/// by channel: lane l gains w[t] * code[t] for t = l, 16 + l of each block in order.
+template <int HC, int Blocks>
+LYNX_ATTENTION_AVX512_TARGET inline void add_value_blocks_avx512(const float* tile, int D, std::int64_t c_begin, std::int64_t c_end,
+                                                       const float* const* wts /*[HC] -> weights of the first block*/, __m512 unscale0,
+                                                       __m512 unscale1, float* lanes /*[HC][D][16]*/) {
+  __m512 wv[HC][2 * Blocks];
+  for (int h = 0; h < HC; ++h)
+    for (int k = 0; k < 2 * Blocks; ++k) wv[h][k] = _mm512_mul_ps(_mm512_loadu_ps(wts[h] + 16 * k), k < 2 ? unscale0 : unscale1);
+  for (std::int64_t c = c_begin; c < c_end; ++c) {
+    __m512 code[2 * Blocks];
+    for (int k = 0; k < 2 * Blocks; ++k) code[k] = _mm512_load_ps(tile + (k / 2) * D * 32 + c * 32 + 16 * (k % 2));
+    for (int h = 0; h < HC; ++h) {
+      float* lane = lanes + (static_cast<std::int64_t>(h) * D + c) * 16;
+      __m512 x = _mm512_load_ps(lane);
+      for (int k = 0; k < 2 * Blocks; ++k) x = _mm512_fmadd_ps(wv[h][k], code[k], x);
+      _mm512_store_ps(lane, x);
+    }
+  }
+}
+
+/// Values over tokens [t0, t1) with lane = token (see accumulate_values_portable),
+/// two blocks per pass so each lane is loaded and stored once per 64 tokens.
 template <stream_plan_type Plan, int G>
-LYNX_AVX512_TARGET void accumulate_values_avx512(const plane_kv_source<Plan, G>& src, std::int64_t kv_head, int heads, std::int64_t t0,
+LYNX_ATTENTION_AVX512_TARGET void accumulate_values_avx512(const plane_kv_source<Plan, G>& src, std::int64_t kv_head, int heads, std::int64_t t0,
                                                  std::int64_t t1, float* acc, const split_scratch& w) {
   const layer_geometry& g = src.view.geometry;
   const int D = static_cast<int>(g.head_dim);
   const std::int64_t groups = g.value_channel_groups(), VG = g.value_group;
   std::fill(w.lanes, w.lanes + heads * D * attention_reduction_lanes, 0.0f);
   const std::uint32_t* rows[16];
-  for (std::int64_t b = t0 / attention_block_tokens; b * attention_block_tokens < t1; ++b) {
-    src.block_rows(false, kv_head, b, rows);
-    // the tile holds prefix << shift: scale the weights by 2^-shift (exact)
-    const __m512 unscale = _mm512_set1_ps(std::ldexp(1.0f, -decode_block(rows, src.planes, D, w.tile)));
+  const std::int64_t b_end = (t1 + attention_block_tokens - 1) / attention_block_tokens;
+  for (std::int64_t b = t0 / attention_block_tokens; b < b_end;) {
+    const int nb = b + 1 < b_end ? 2 : 1;
+    __m512 unscale[2];
+    for (int k = 0; k < nb; ++k) {
+      src.prefetch_block(false, kv_head, b + k + 2);
+      src.block_rows(false, kv_head, b + k, rows);
+      // the tile holds prefix << shift: scale the weights by 2^-shift (exact)
+      unscale[k] = _mm512_set1_ps(std::ldexp(1.0f, -decode_block(rows, src.planes, D, w.tile + k * D * attention_block_tokens)));
+    }
+    if (nb == 1) unscale[1] = unscale[0];
     const std::int64_t off = b * attention_block_tokens - t0;
     for (std::int64_t grp = 0; grp < groups; ++grp)
-      for (int h = 0; h < heads; ++h) {
-        const float* wt = w.weights + (h * groups + grp) * attention_split_tokens + off;
-        const __m512 w0 = _mm512_mul_ps(_mm512_loadu_ps(wt), unscale), w1 = _mm512_mul_ps(_mm512_loadu_ps(wt + 16), unscale);
-        float* lane = w.lanes + (h * D + grp * VG) * attention_reduction_lanes;
-        const float* tile = w.tile + grp * VG * attention_block_tokens;
-        for (std::int64_t c = 0; c < VG; ++c) {
-          __m512 x = _mm512_load_ps(lane + c * 16);
-          x = _mm512_fmadd_ps(w0, _mm512_load_ps(tile + c * 32), x);
-          x = _mm512_fmadd_ps(w1, _mm512_load_ps(tile + c * 32 + 16), x);
-          _mm512_store_ps(lane + c * 16, x);
+      for (int h0 = 0; h0 < heads; h0 += 4) {
+        const int hc = std::min(4, heads - h0);
+        const float* wts[4];
+        for (int h = 0; h < hc; ++h) wts[h] = w.weights + ((h0 + h) * groups + grp) * attention_split_tokens + off;
+        float* lanes = w.lanes + static_cast<std::int64_t>(h0) * D * 16;
+        const std::int64_t c0 = grp * VG, c1 = c0 + VG;
+#define LYNX_ADD_VALUES(HC)                                                                                         \
+  (nb == 2 ? add_value_blocks_avx512<HC, 2>(w.tile, D, c0, c1, wts, unscale[0], unscale[1], lanes)                  \
+           : add_value_blocks_avx512<HC, 1>(w.tile, D, c0, c1, wts, unscale[0], unscale[1], lanes))
+        switch (hc) {
+          case 1: LYNX_ADD_VALUES(1); break;
+          case 2: LYNX_ADD_VALUES(2); break;
+          case 3: LYNX_ADD_VALUES(3); break;
+          default: LYNX_ADD_VALUES(4); break;
         }
+#undef LYNX_ADD_VALUES
       }
+    b += nb;
   }
   finish_value_lanes(w.lanes, heads, D, VG, groups, w.offsets, acc);
 }
 
 /// 16 consecutive channels of a dense row as floats.
 template <class T>
-LYNX_AVX512_TARGET inline __m512 load16_avx512(const T* p) {
+LYNX_ATTENTION_AVX512_TARGET inline __m512 load16_avx512(const T* p) {
   if constexpr (std::is_same_v<T, float>) {
     return _mm512_loadu_ps(p);
   } else {
@@ -584,7 +694,7 @@ LYNX_AVX512_TARGET inline __m512 load16_avx512(const T* p) {
 
 /// Fold of 16 lane vectors (one per token) into one vector of 16 scores in token
 /// order, each by the halving tree l += l+8, l += l+4, l += l+2, l += l+1.
-LYNX_AVX512_TARGET inline __m512 fold16_avx512(__m512* v) {
+LYNX_ATTENTION_AVX512_TARGET inline __m512 fold16_avx512(__m512* v) {
   __m512 x[8], y[4], z[2];
   for (int i = 0; i < 8; ++i)  // lanes 0-7 of v[2i] + lanes 8-15, then the same of v[2i+1]
     x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44), _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
@@ -599,7 +709,7 @@ LYNX_AVX512_TARGET inline __m512 fold16_avx512(__m512* v) {
 
 /// Lane permutation that puts fold16_avx512's result in token order, found by
 /// folding vectors that each hold their token's index.
-LYNX_AVX512_TARGET inline __m512i fold16_token_order_avx512() {
+LYNX_ATTENTION_AVX512_TARGET inline __m512i fold16_token_order_avx512() {
   __m512 v[16];
   for (int t = 0; t < 16; ++t) v[t] = _mm512_set1_ps(static_cast<float>(t));
   alignas(64) float r[16];
@@ -610,7 +720,7 @@ LYNX_AVX512_TARGET inline __m512i fold16_token_order_avx512() {
 }
 
 template <class T>
-LYNX_AVX512_TARGET void score_tokens_avx512(const dense_kv_source<T>& src, std::int64_t kv_head, const float* q, int heads,
+LYNX_ATTENTION_AVX512_TARGET void score_tokens_avx512(const dense_kv_source<T>& src, std::int64_t kv_head, const float* q, int heads,
                                             std::int64_t t0, std::int64_t t1, const split_scratch& w) {
   const int D = src.head_dim();
   static const __m512i perm = fold16_token_order_avx512();
@@ -633,7 +743,7 @@ LYNX_AVX512_TARGET void score_tokens_avx512(const dense_kv_source<T>& src, std::
 }
 
 template <int HC, class T>
-LYNX_AVX512_TARGET void accumulate_dense_chunk_avx512(const dense_kv_source<T>& src, std::int64_t kv_head, std::int64_t t0, std::int64_t t1,
+LYNX_ATTENTION_AVX512_TARGET void accumulate_dense_chunk_avx512(const dense_kv_source<T>& src, std::int64_t kv_head, std::int64_t t0, std::int64_t t1,
                                                       int c0, const float* p /*[HC][S]*/, float* acc, int D) {
   __m512 a[HC];
   for (int h = 0; h < HC; ++h) a[h] = _mm512_setzero_ps();
@@ -645,7 +755,7 @@ LYNX_AVX512_TARGET void accumulate_dense_chunk_avx512(const dense_kv_source<T>& 
 }
 
 template <class T>
-LYNX_AVX512_TARGET void accumulate_values_avx512(const dense_kv_source<T>& src, std::int64_t kv_head, int heads, std::int64_t t0,
+LYNX_ATTENTION_AVX512_TARGET void accumulate_values_avx512(const dense_kv_source<T>& src, std::int64_t kv_head, int heads, std::int64_t t0,
                                                  std::int64_t t1, float* acc, const split_scratch& w) {
   const int D = src.head_dim();
   for (int h = 0; h < heads;) {
@@ -670,7 +780,7 @@ LYNX_AVX512_TARGET void accumulate_values_avx512(const dense_kv_source<T>& src, 
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic pop
 #endif
-#endif  // LYNX_HOST_AVX512
+#endif  // LYNX_ATTENTION_AVX512
 
 /// Whether the AVX-512 kernels handle this source (else the portable ones do).
 template <stream_plan_type Plan, int G>
@@ -691,7 +801,7 @@ void compute_split(const Source& src, std::int64_t kv_head, const float* q, int 
                    float* acc) {
   const std::int64_t n = t1 - t0;
   (void)simd;
-#if LYNX_HOST_AVX512
+#if LYNX_ATTENTION_AVX512
   if (simd) {
     score_tokens_avx512(src, kv_head, q, heads, t0, t1, w);
   } else
@@ -704,7 +814,7 @@ void compute_split(const Source& src, std::int64_t kv_head, const float* q, int 
     if constexpr (Variant::has_logit_transform)
       for (std::int64_t i = 0; i < n; ++i) s[i] = variant.transform_logit(s[i]);
     float mx = attention_neg_inf;
-#if LYNX_HOST_AVX512
+#if LYNX_ATTENTION_AVX512
     if (simd) {
       mx = prepare_scores_avx512(s, n, t0, first_visible);
     } else
@@ -723,7 +833,7 @@ void compute_split(const Source& src, std::int64_t kv_head, const float* q, int 
       l[h] = 0.0f;
       continue;
     }
-#if LYNX_HOST_AVX512
+#if LYNX_ATTENTION_AVX512
     if (simd) {
       exp2_shifted_avx512(s, n, mx);
       l[h] = fixed_order_sum_avx512(s, n);
@@ -734,13 +844,13 @@ void compute_split(const Source& src, std::int64_t kv_head, const float* q, int 
     l[h] = fixed_order_sum(s, n);
   }
   if constexpr (requires { src.view; }) {
-#if LYNX_HOST_AVX512
+#if LYNX_ATTENTION_AVX512
     if (simd) value_weights_avx512(src, kv_head, heads, t0, t1, w);
     else
 #endif
       value_weights_portable(src, kv_head, heads, t0, t1, w);
   }
-#if LYNX_HOST_AVX512
+#if LYNX_ATTENTION_AVX512
   if (simd) {
     accumulate_values_avx512(src, kv_head, heads, t0, t1, acc, w);
     return;

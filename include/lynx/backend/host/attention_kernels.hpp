@@ -321,6 +321,34 @@ LYNX_ATTENTION_AVX512_TARGET inline float fold_query_avx512(const float* q, cons
   return x[0];
 }
 
+/// Column g of 16 consecutive rows of a [rows][groups] float array (the value
+/// parameters of 16 tokens): permutes for 1, 2, 4, 8 groups, a gather otherwise.
+LYNX_ATTENTION_AVX512_TARGET inline __m512 group_column_avx512(const float* rows, std::int64_t groups, std::int64_t g, __m512i stride) {
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const int G = static_cast<int>(groups), gi = static_cast<int>(g);
+  switch (G) {
+    case 1: return _mm512_loadu_ps(rows);
+    case 2: {
+      const __m512i idx = _mm512_add_epi32(_mm512_slli_epi32(lane, 1), _mm512_set1_epi32(gi));
+      return _mm512_permutex2var_ps(_mm512_loadu_ps(rows), idx, _mm512_loadu_ps(rows + 16));
+    }
+    case 4: {
+      const __m512i idx = _mm512_add_epi32(_mm512_slli_epi32(lane, 2), _mm512_set1_epi32(gi));  // lanes 0-7 valid
+      const __m512 a = _mm512_permutex2var_ps(_mm512_loadu_ps(rows), idx, _mm512_loadu_ps(rows + 16));
+      const __m512 b = _mm512_permutex2var_ps(_mm512_loadu_ps(rows + 32), idx, _mm512_loadu_ps(rows + 48));
+      return _mm512_shuffle_f32x4(a, b, 0x44);
+    }
+    case 8: {
+      const __m512i idx = _mm512_add_epi32(_mm512_slli_epi32(lane, 3), _mm512_set1_epi32(gi));  // lanes 0-3 valid
+      __m512 q[4];
+      for (int k = 0; k < 4; ++k) q[k] = _mm512_permutex2var_ps(_mm512_loadu_ps(rows + 32 * k), idx, _mm512_loadu_ps(rows + 32 * k + 16));
+      const __m512 x = _mm512_shuffle_f32x4(q[0], q[1], 0x00), y = _mm512_shuffle_f32x4(q[2], q[3], 0x00);
+      return _mm512_shuffle_f32x4(x, y, 0x88);
+    }
+    default: return _mm512_i32gather_ps(stride, rows + g, 4);
+  }
+}
+
 /// value_weights_portable, 16 tokens per step (same operations per lane).
 template <stream_plan_type Plan, int G>
 LYNX_ATTENTION_AVX512_TARGET void value_weights_avx512(const plane_kv_source<Plan, G>& src, std::int64_t kv_head, int heads, std::int64_t t0,
@@ -346,8 +374,11 @@ LYNX_ATTENTION_AVX512_TARGET void value_weights_avx512(const plane_kv_source<Pla
           const std::int64_t grp = g0 + k;
           const float* base_s = vs + (t0 + i) * groups + grp;
           const float* base_z = vz + (t0 + i) * groups + grp;
-          const __m512 sc = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, stride, base_s, 4);
-          const __m512 zr = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, stride, base_z, 4);
+          const bool whole = live == static_cast<__mmask16>(0xFFFF);
+          const __m512 sc = whole ? group_column_avx512(base_s - grp, groups, grp, stride)
+                                  : _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, stride, base_s, 4);
+          const __m512 zr = whole ? group_column_avx512(base_z - grp, groups, grp, stride)
+                                  : _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, stride, base_z, 4);
           const __m512 su = _mm512_mul_ps(sc, u), off = _mm512_fmadd_ps(sc, hv, zr);
           for (int h = 0; h < hn; ++h) {
             const __m512 p = _mm512_maskz_loadu_ps(live, w.scores + (h0 + h) * attention_split_tokens + i);

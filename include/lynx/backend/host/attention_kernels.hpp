@@ -756,56 +756,72 @@ LYNX_ATTENTION_AVX512_TARGET void score_tokens_avx512(const dense_kv_source<T>& 
   const int D = src.head_dim();
   static const __m512i perm = fold16_token_order_avx512();
   std::int64_t t = t0;
-  for (; t + 16 <= t1; t += 16)
+  float* rows = w.tile;  // [16][D] floats: the block's keys, converted once for all heads
+  for (; t + 16 <= t1; t += 16) {
+    for (int i = 0; i < 16; ++i) {
+      const T* k = &src.keys(t + i, kv_head, 0);
+      if (i + 16 < t1 - t) __builtin_prefetch(&src.keys(t + i + 16, kv_head, 0), 0, 3);
+      for (int c = 0; c < D; c += 16) _mm512_store_ps(rows + i * D + c, load16_avx512(k + c));
+    }
     for (int h = 0; h < heads; ++h) {
       __m512 v[16];
       const float* qh = q + h * D;
       for (int i = 0; i < 16; ++i) {
-        const T* k = &src.keys(t + i, kv_head, 0);
         __m512 a = _mm512_setzero_ps();
-        for (int c = 0; c < D; c += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(qh + c), load16_avx512(k + c), a);
+        for (int c = 0; c < D; c += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(qh + c), _mm512_load_ps(rows + i * D + c), a);
         v[i] = a;
       }
       _mm512_storeu_ps(w.scores + h * attention_split_tokens + (t - t0), _mm512_permutexvar_ps(perm, fold16_avx512(v)));
     }
+  }
   for (; t < t1; ++t)
     for (int h = 0; h < heads; ++h)
       w.scores[h * attention_split_tokens + (t - t0)] = dense_score(q + h * D, &src.keys(t, kv_head, 0), 1, D);
 }
 
-template <int HC, class T>
-LYNX_ATTENTION_AVX512_TARGET void accumulate_dense_chunk_avx512(const dense_kv_source<T>& src, std::int64_t kv_head, std::int64_t t0, std::int64_t t1,
-                                                      int c0, const float* p /*[HC][S]*/, float* acc, int D) {
-  __m512 a[HC];
-  for (int h = 0; h < HC; ++h) a[h] = _mm512_setzero_ps();
+template <int HC, int NV, class T>
+LYNX_ATTENTION_AVX512_TARGET void accumulate_dense_chunk_avx512(const dense_kv_source<T>& src, std::int64_t kv_head, std::int64_t t0,
+                                                                std::int64_t t1, int c0, const float* p /*[HC][S]*/, float* acc, int D) {
+  __m512 a[HC][NV];
+  for (int h = 0; h < HC; ++h)
+    for (int k = 0; k < NV; ++k) a[h][k] = _mm512_setzero_ps();
   for (std::int64_t t = t0; t < t1; ++t) {
-    const __m512 v = load16_avx512(&src.values(t, kv_head, c0));
-    for (int h = 0; h < HC; ++h) a[h] = _mm512_fmadd_ps(_mm512_set1_ps(p[h * attention_split_tokens + (t - t0)]), v, a[h]);
+    const T* row = &src.values(t, kv_head, c0);
+    __m512 v[NV];
+    for (int k = 0; k < NV; ++k) v[k] = load16_avx512(row + 16 * k);
+    for (int h = 0; h < HC; ++h) {
+      const __m512 ph = _mm512_set1_ps(p[h * attention_split_tokens + (t - t0)]);
+      for (int k = 0; k < NV; ++k) a[h][k] = _mm512_fmadd_ps(ph, v[k], a[h][k]);
+    }
   }
-  for (int h = 0; h < HC; ++h) _mm512_storeu_ps(acc + h * D + c0, a[h]);
+  for (int h = 0; h < HC; ++h)
+    for (int k = 0; k < NV; ++k) _mm512_storeu_ps(acc + h * D + c0 + 16 * k, a[h][k]);
 }
 
-template <class T>
-LYNX_ATTENTION_AVX512_TARGET void accumulate_values_avx512(const dense_kv_source<T>& src, std::int64_t kv_head, int heads, std::int64_t t0,
-                                                 std::int64_t t1, float* acc, const split_scratch& w) {
-  const int D = src.head_dim();
-  for (int h = 0; h < heads;) {
-    const int hc = std::min(8, heads - h);
+template <int NV, class T>
+LYNX_ATTENTION_AVX512_TARGET void accumulate_dense_avx512(const dense_kv_source<T>& src, std::int64_t kv_head, int heads, std::int64_t t0,
+                                                          std::int64_t t1, float* acc, const split_scratch& w, int D) {
+  for (int h = 0; h < heads; h += 4) {
     const float* p = w.scores + h * attention_split_tokens;
-    for (int c0 = 0; c0 < D; c0 += 16) {
-      switch (hc) {
-        case 1: accumulate_dense_chunk_avx512<1>(src, kv_head, t0, t1, c0, p, acc + h * D, D); break;
-        case 2: accumulate_dense_chunk_avx512<2>(src, kv_head, t0, t1, c0, p, acc + h * D, D); break;
-        case 3: accumulate_dense_chunk_avx512<3>(src, kv_head, t0, t1, c0, p, acc + h * D, D); break;
-        case 4: accumulate_dense_chunk_avx512<4>(src, kv_head, t0, t1, c0, p, acc + h * D, D); break;
-        case 5: accumulate_dense_chunk_avx512<5>(src, kv_head, t0, t1, c0, p, acc + h * D, D); break;
-        case 6: accumulate_dense_chunk_avx512<6>(src, kv_head, t0, t1, c0, p, acc + h * D, D); break;
-        case 7: accumulate_dense_chunk_avx512<7>(src, kv_head, t0, t1, c0, p, acc + h * D, D); break;
-        default: accumulate_dense_chunk_avx512<8>(src, kv_head, t0, t1, c0, p, acc + h * D, D); break;
+    for (int c0 = 0; c0 < D; c0 += 16 * NV) {
+      switch (std::min(4, heads - h)) {
+        case 1: accumulate_dense_chunk_avx512<1, NV>(src, kv_head, t0, t1, c0, p, acc + h * D, D); break;
+        case 2: accumulate_dense_chunk_avx512<2, NV>(src, kv_head, t0, t1, c0, p, acc + h * D, D); break;
+        case 3: accumulate_dense_chunk_avx512<3, NV>(src, kv_head, t0, t1, c0, p, acc + h * D, D); break;
+        default: accumulate_dense_chunk_avx512<4, NV>(src, kv_head, t0, t1, c0, p, acc + h * D, D); break;
       }
     }
-    h += hc;
   }
+}
+
+/// Dense values, lane = channel, token order: 4 heads x 64 channels of accumulators.
+template <class T>
+LYNX_ATTENTION_AVX512_TARGET void accumulate_values_avx512(const dense_kv_source<T>& src, std::int64_t kv_head, int heads, std::int64_t t0,
+                                                           std::int64_t t1, float* acc, const split_scratch& w) {
+  const int D = src.head_dim();
+  if (D % 64 == 0) accumulate_dense_avx512<4>(src, kv_head, heads, t0, t1, acc, w, D);
+  else if (D % 32 == 0) accumulate_dense_avx512<2>(src, kv_head, heads, t0, t1, acc, w, D);
+  else accumulate_dense_avx512<1>(src, kv_head, heads, t0, t1, acc, w, D);
 }
 
 #if defined(__GNUC__) && !defined(__clang__)

@@ -3,10 +3,11 @@
 # nothing when it is all there already (so it is cheap to run every time).
 #   build-essential cmake ninja-build git pkg-config   toolchain
 #   doctest-dev libbenchmark-dev libxxhash-dev        tests, benchmarks, checksums
+#   libucx-dev iproute2                               UCX transport adapter; network namespaces for the slow-link bench
 # The CUDA toolkit is optional and not installed here (nvcc enables lynx::cuda).
 set -euo pipefail
 
-packages=(build-essential cmake ninja-build git pkg-config doctest-dev libbenchmark-dev libxxhash-dev)
+packages=(build-essential cmake ninja-build git pkg-config doctest-dev libbenchmark-dev libxxhash-dev libucx-dev iproute2)
 
 missing=()
 for pkg in "${packages[@]}"; do

@@ -26,7 +26,7 @@
 #include "lynx/planes/stream_plan.hpp"
 #include "lynx/planes/tensor.hpp"
 
-#if (defined(__x86_64__) || defined(_M_X64)) && (defined(__GNUC__) || defined(__clang__))
+#if (defined(__x86_64__) || defined(_M_X64)) && (defined(__GNUC__) || defined(__clang__)) && !defined(__CUDACC__)
 #include <immintrin.h>
 #define LYNX_ATTENTION_AVX512 1
 #define LYNX_ATTENTION_AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,fma")))
@@ -88,6 +88,10 @@ struct dense_kv_source {
   [[nodiscard]] std::int64_t tokens() const { return keys.shape.tokens; }
   [[nodiscard]] int head_dim() const { return static_cast<int>(keys.shape.head_dim); }
 };
+
+/// How far ahead (in 32-token blocks) the bit-plane walks ask for plane words:
+/// far enough to cover a DRAM round trip at the work done per block.
+inline constexpr std::int64_t prefetch_blocks = 4;
 
 /// Scratch of one worker, in floats; see split_scratch_floats.
 struct split_scratch {
@@ -560,6 +564,54 @@ LYNX_ATTENTION_GFNI_TARGET inline void score_block_fused_gfni(const std::uint32_
   }
 }
 
+/// Adds one value block to the lanes of HC heads, decoding 16 channels at a time
+/// in registers: lane l of (h, c) gains w[h][grp(c)][l] * code(l, c), then
+/// w[h][grp(c)][16 + l] * code(16 + l, c), as add_value_blocks_avx512 does.
+template <int HC>
+LYNX_ATTENTION_GFNI_TARGET inline void add_value_block_fused_gfni(const std::uint32_t* const* rows, int planes, int D, std::int64_t VG,
+                                                                  const float* weights /*[HC][groups][S], at this block*/,
+                                                                  std::int64_t groups, __m512 unscale, float* lanes /*[HC][D][16]*/) {
+  __m512i zext[4];
+  for (int L = 0; L < 4; ++L) zext[L] = _mm512_add_epi8(_mm512_set1_epi8(static_cast<char>(16 * L)),
+                                                         _mm512_set_epi8(15, 15, 15, 15, 14, 14, 14, 14, 13, 13, 13, 13, 12, 12, 12, 12,
+                                                                         11, 11, 11, 11, 10, 10, 10, 10, 9, 9, 9, 9, 8, 8, 8, 8, 7, 7, 7, 7,
+                                                                         6, 6, 6, 6, 5, 5, 5, 5, 4, 4, 4, 4, 3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1,
+                                                                         1, 0, 0, 0, 0));
+  const __mmask64 low_bytes = 0x1111111111111111ull;
+  __m512 wv[HC][2];
+  std::int64_t loaded_group = -1;
+  for (int c0 = 0; c0 < D; c0 += 16) {
+    const std::int64_t grp = c0 / VG;  // VG % 16 == 0: one group per 16 channels
+    if (grp != loaded_group) {
+      for (int h = 0; h < HC; ++h)
+        for (int k = 0; k < 2; ++k)
+          wv[h][k] = _mm512_mul_ps(_mm512_loadu_ps(weights + (h * groups + grp) * attention_split_tokens + 16 * k), unscale);
+      loaded_group = grp;
+    }
+    __m512i hi[2][2][2], lo[2][2][2];
+    transpose_planes_gfni(rows, 0, planes < 8 ? planes : 8, c0, hi);
+    if (planes > 8) transpose_planes_gfni(rows, 8, planes - 8, c0, lo);
+    for (int L = 0; L < 4; ++L)
+      for (int m = 0; m < 4; ++m) {
+        const int c = c0 + 4 * L + m;
+        __m512 k[2];
+        for (int s3 = 0; s3 < 2; ++s3) {
+          __m512i code = _mm512_maskz_permutexvar_epi8(low_bytes, zext[L], hi[m >> 1][m & 1][s3]);
+          if (planes > 8)
+            code = _mm512_or_si512(_mm512_slli_epi32(code, 8), _mm512_maskz_permutexvar_epi8(low_bytes, zext[L], lo[m >> 1][m & 1][s3]));
+          k[s3] = _mm512_cvtepi32_ps(code);
+        }
+        for (int h = 0; h < HC; ++h) {
+          float* lane = lanes + (static_cast<std::int64_t>(h) * D + c) * 16;
+          __m512 x = _mm512_load_ps(lane);
+          x = _mm512_fmadd_ps(wv[h][0], k[0], x);
+          x = _mm512_fmadd_ps(wv[h][1], k[1], x);
+          _mm512_store_ps(lane, x);
+        }
+      }
+  }
+}
+
 /// Bits of the integers decode_block writes: prefix << (decoded_bits(P) - P).
 inline int decoded_bits(int planes) { return planes > 8 ? 16 : 8; }
 
@@ -614,7 +666,14 @@ LYNX_ATTENTION_AVX512_TARGET void score_tokens_avx512(const plane_kv_source<Plan
                                               w.qs + h * D);
       folded_group = grp;
     }
-    src.prefetch_block(true, kv_head, b + 2);
+    src.prefetch_block(true, kv_head, b + prefetch_blocks);
+    if (b + prefetch_blocks < g.blocks()) {  // the key parameters of that block's group
+      const std::int64_t pf = (kv_head * g.key_token_groups() + (b + prefetch_blocks) * attention_block_tokens / G) * D;
+      for (int c = 0; c < D; c += 16) {
+        __builtin_prefetch(src.view.key_scale() + pf + c, 0, 3);
+        __builtin_prefetch(src.view.key_zero() + pf + c, 0, 3);
+      }
+    }
     src.block_rows(true, kv_head, b, rows);
     float* out = w.scores + (tb - t0);
     if (gfni) {  // the GFNI decoder: fused, 8 heads at a time
@@ -678,11 +737,31 @@ LYNX_ATTENTION_AVX512_TARGET void accumulate_values_avx512(const plane_kv_source
   std::fill(w.lanes, w.lanes + heads * D * attention_reduction_lanes, 0.0f);
   const std::uint32_t* rows[16];
   const std::int64_t b_end = (t1 + attention_block_tokens - 1) / attention_block_tokens;
+  if (host_has_gfni()) {  // decode in registers, one block at a time
+    const __m512 unscale = _mm512_set1_ps(std::ldexp(1.0f, -(decoded_bits(src.planes) - src.planes)));
+    for (std::int64_t b = t0 / attention_block_tokens; b < b_end; ++b) {
+      src.prefetch_block(false, kv_head, b + prefetch_blocks);
+      src.block_rows(false, kv_head, b, rows);
+      const std::int64_t off = b * attention_block_tokens - t0;
+      for (int h0 = 0; h0 < heads; h0 += 4) {
+        const float* wts = w.weights + h0 * groups * attention_split_tokens + off;
+        float* lanes = w.lanes + static_cast<std::int64_t>(h0) * D * 16;
+        switch (std::min(4, heads - h0)) {
+          case 1: add_value_block_fused_gfni<1>(rows, src.planes, D, VG, wts, groups, unscale, lanes); break;
+          case 2: add_value_block_fused_gfni<2>(rows, src.planes, D, VG, wts, groups, unscale, lanes); break;
+          case 3: add_value_block_fused_gfni<3>(rows, src.planes, D, VG, wts, groups, unscale, lanes); break;
+          default: add_value_block_fused_gfni<4>(rows, src.planes, D, VG, wts, groups, unscale, lanes); break;
+        }
+      }
+    }
+    finish_value_lanes(w.lanes, heads, D, VG, groups, w.offsets, acc);
+    return;
+  }
   for (std::int64_t b = t0 / attention_block_tokens; b < b_end;) {
     const int nb = b + 1 < b_end ? 2 : 1;
     __m512 unscale[2];
     for (int k = 0; k < nb; ++k) {
-      src.prefetch_block(false, kv_head, b + k + 2);
+      src.prefetch_block(false, kv_head, b + k + prefetch_blocks);
       src.block_rows(false, kv_head, b + k, rows);
       // the tile holds prefix << shift: scale the weights by 2^-shift (exact)
       unscale[k] = _mm512_set1_ps(std::ldexp(1.0f, -decode_block(rows, src.planes, D, w.tile + k * D * attention_block_tokens)));

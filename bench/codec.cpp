@@ -14,6 +14,7 @@
 // threads: 1 and all hardware threads (the same fork-join the codecs use).
 #include <benchmark/benchmark.h>
 
+#include <ctime>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -72,9 +73,22 @@ struct table_row {
   std::string name;
   std::int64_t tokens;
   int threads;
-  double seconds;
-  double ratio;
+  double seconds;      // wall
+  double ratio;        // wall / memcpy wall
+  double cpu_seconds;  // CPU time of the calling thread (the whole work when threads == 1)
+  double cpu_ratio;    // cpu_seconds / memcpy cpu_seconds (meaningful for threads == 1)
 };
+std::map<std::pair<std::int64_t, int>, double>& memcpy_cpu_seconds() {
+  static std::map<std::pair<std::int64_t, int>, double> m;
+  return m;
+}
+double thread_cpu_now() {
+  timespec ts{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+}
+// CPU seconds per iteration of the last timed_loop on this thread.
+double last_cpu_seconds = 0.0;
 std::vector<table_row>& table() {
   static std::vector<table_row> t;
   return t;
@@ -83,37 +97,45 @@ std::vector<table_row>& table() {
 int resolved_threads(int threads) { return threads <= 0 ? lynx::detail::hardware_threads() : threads; }
 
 // Runs body() in the benchmark loop, timing it with a steady clock so the
-// ratio uses the same (wall) time the report shows.
+// ratio uses the same (wall) time the report shows; also the CPU time of this
+// thread, which on a shared machine is the steadier measure for one thread.
 template <class F>
 double timed_loop(benchmark::State& state, F&& body) {
   std::int64_t iterations = 0;
+  const double cpu_start = thread_cpu_now();
   const auto start = std::chrono::steady_clock::now();
   for (auto _ : state) {
     body();
     ++iterations;
   }
   const std::chrono::duration<double> elapsed = std::chrono::steady_clock::now() - start;
+  last_cpu_seconds = iterations > 0 ? (thread_cpu_now() - cpu_start) / static_cast<double>(iterations) : 0.0;
   return iterations > 0 ? elapsed.count() / static_cast<double>(iterations) : 0.0;
 }
 
 void report(benchmark::State& state, const std::string& name, std::int64_t tokens, int threads, double seconds) {
   state.SetBytesProcessed(state.iterations() * static_cast<std::int64_t>(kv_bytes(tokens)));
   state.counters["tokens"] = static_cast<double>(tokens);
-  double ratio = 0.0;
+  double ratio = 0.0, cpu_ratio = 0.0;
+  const double cpu_seconds = last_cpu_seconds;
   const auto it = memcpy_seconds().find({tokens, threads});
   if (it != memcpy_seconds().end() && it->second > 0.0) {
     ratio = seconds / it->second;
     state.counters["x_memcpy"] = ratio;
   }
+  const auto ic = memcpy_cpu_seconds().find({tokens, threads});
+  if (threads == 1 && ic != memcpy_cpu_seconds().end() && ic->second > 0.0) {
+    cpu_ratio = cpu_seconds / ic->second;
+    state.counters["x_memcpy_cpu"] = cpu_ratio;
+  }
   // Google Benchmark calls a benchmark several times while it sizes the run;
   // the last call is the reported one, so it overwrites earlier rows.
   for (auto& row : table())
     if (row.name == name && row.tokens == tokens && row.threads == threads) {
-      row.seconds = seconds;
-      row.ratio = ratio;
+      row = {name, tokens, threads, seconds, ratio, cpu_seconds, cpu_ratio};
       return;
     }
-  table().push_back({name, tokens, threads, seconds, ratio});
+  table().push_back({name, tokens, threads, seconds, ratio, cpu_seconds, cpu_ratio});
 }
 
 void bm_memcpy(benchmark::State& state) {
@@ -139,6 +161,7 @@ void bm_memcpy(benchmark::State& state) {
     benchmark::ClobberMemory();
   });
   memcpy_seconds()[{tokens, threads}] = seconds;
+  memcpy_cpu_seconds()[{tokens, threads}] = last_cpu_seconds;
   report(state, "memcpy", tokens, threads, seconds);
 }
 
@@ -212,9 +235,15 @@ int main(int argc, char** argv) {
   benchmark::Shutdown();
   if (table().empty()) return 0;
   // Closing table: time, bytes/s and ratio to memcpy of the same bytes (same tokens, threads).
-  std::printf("\n%-44s %7s %7s %10s %9s %9s\n", "benchmark (bf16, 8 x 128, token-major)", "tokens", "threads", "ms", "GB/s", "x memcpy");
-  for (const auto& row : table())
-    std::printf("%-44s %7lld %7d %10.3f %9.2f %9.2f\n", row.name.c_str(), static_cast<long long>(row.tokens), row.threads,
+  // Wall time for every row; for one thread also CPU time and its ratio (steadier
+  // when other work shares the cores).
+  std::printf("\n%-44s %7s %7s %10s %9s %9s %10s %9s\n", "benchmark (bf16, 8 x 128, token-major)", "tokens", "threads", "wall ms",
+              "GB/s", "x memcpy", "cpu ms", "x cpu");
+  for (const auto& row : table()) {
+    std::printf("%-44s %7lld %7d %10.3f %9.2f %9.2f", row.name.c_str(), static_cast<long long>(row.tokens), row.threads,
                 row.seconds * 1e3, static_cast<double>(kv_bytes(row.tokens)) / row.seconds * 1e-9, row.ratio);
+    if (row.threads == 1) std::printf(" %10.3f %9.2f", row.cpu_seconds * 1e3, row.cpu_ratio);
+    std::printf("\n");
+  }
   return 0;
 }

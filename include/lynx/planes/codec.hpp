@@ -158,11 +158,14 @@ void encode_into(kv_view<const T, host_space> keys, kv_view<const T, host_space>
     const std::int64_t unit = detail::simd::unit_tokens(g), units = ceil_div(g.tokens, unit);
     bool vector_path_done = true;
     try {
+      // Unit-major, head inner: consecutive items read neighbouring bytes of the same
+      // token rows (token-major caches), and the next unit's rows are prefetched.
       detail::parallel_for(options.threads, g.kv_heads * units, [&](std::int64_t i0, std::int64_t i1) {
         detail::simd::encode_scratch scratch;
         scratch.size_for(g);
         for (std::int64_t i = i0; i < i1; ++i) {
-          const std::int64_t h = i / units, u0 = (i % units) * unit, u1 = std::min<std::int64_t>(u0 + unit, g.tokens);
+          const std::int64_t h = i % g.kv_heads, u0 = (i / g.kv_heads) * unit, u1 = std::min<std::int64_t>(u0 + unit, g.tokens);
+          if (i + 2 * g.kv_heads < i1) detail::simd::prefetch_rows(keys, values, h, std::min<std::int64_t>(u1 + unit, g.tokens), std::min<std::int64_t>(u1 + 2 * unit, g.tokens));
           auto plane_row = [&](const std::array<std::uint32_t*, max_streams>& words) {
             return [&, h](std::int64_t b, int j) {
               const int s = plane_stream[static_cast<std::size_t>(j)];
@@ -360,7 +363,7 @@ void reconstruct(const bitplane_view<Plan, G, host_space>& v, kv_view<T, host_sp
       aligned_buffer stage(static_cast<std::size_t>(2 * D / 16 * 8) * sizeof(__m512i));
       auto* stage_hi = reinterpret_cast<__m512i*>(stage.data());
       for (std::int64_t i = i0; i < i1; ++i) {
-        const std::int64_t h = i / blocks, b = i % blocks;
+        const std::int64_t h = i % g.kv_heads, b = i / g.kv_heads;  // block-major: neighbouring output bytes
         detail::simd::reconstruct_block<B, T>(
             g, h, b, P, half, v.key_scale(), v.key_zero(), v.value_scale(), v.value_zero(),
             [&](bool keys, const std::uint32_t** rows) { detail::block_plane_rows(v, keys, h, b, P, rows); }, keys_out, values_out,

@@ -250,6 +250,18 @@ bool encode_supported(const kv_view<const T, host_space>& keys, const kv_view<co
 /// Tokens of one work unit: whole blocks and whole key groups.
 inline std::int64_t unit_tokens(const layer_geometry& g) { return std::max<std::int64_t>(g.key_group, tokens_per_word); }
 
+/// Asks for the K and V rows of head h, tokens [t0, t1), to be brought into L2.
+template <class T>
+void prefetch_rows(const kv_view<const T, host_space>& keys, const kv_view<const T, host_space>& values, std::int64_t h, std::int64_t t0,
+                   std::int64_t t1) {
+  const std::int64_t bytes = keys.shape.head_dim * static_cast<std::int64_t>(sizeof(T));
+  for (std::int64_t t = t0; t < t1; ++t)
+    for (std::int64_t o = 0; o < bytes; o += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(&keys(t, h, 0)) + o, _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(&values(t, h, 0)) + o, _MM_HINT_T1);
+    }
+}
+
 /// Per-thread scratch of the encoder.
 struct encode_scratch {
   std::vector<float> key_inv;            // [key groups in a unit][head_dim]

@@ -68,40 +68,16 @@ enum class accept_result : std::uint8_t {
 template <stream_plan_type Plan, int G = 32, memory_space Space = host_space>
 class bitplane_tensor;
 
-/// Host receiver tensor of one layer.
+namespace detail {
+
+/// What a receiver tensor knows about its streams, wherever their bytes live:
+/// the geometry it expects, which streams are present and their checksums.
+/// Host and device tensors derive from it and add only the storage.
 template <stream_plan_type Plan, int G>
-class bitplane_tensor<Plan, G, host_space> {
+class stream_ledger {
  public:
-  using plan = Plan;
-  using space = host_space;
-  using view_type = bitplane_view<Plan, G, host_space>;
-  static constexpr int group_size = G;
-
-  bitplane_tensor(kv_shape shape, std::uint32_t layer, std::uint64_t generation = 0)
-      : geometry_(make_geometry<Plan, G>(shape)), layer_(layer), generation_(generation) {
-    for (int s = 0; s < Plan::streams; ++s) storage_[static_cast<std::size_t>(s)] = aligned_buffer(static_cast<std::size_t>(geometry_.payload_bytes(s)));
-  }
-
-  /// Validates and stores a segment (header + payload). On any error the tensor
-  /// is unchanged and lynx::error says what and where.
-  accept_result accept(std::span<const std::byte> segment) {
-    const segment_header h = validate_segment(segment, geometry_, layer_);
-    if (h.generation != generation_)
-      detail::fail(errc::stale_generation, "segment of layer " + std::to_string(h.layer) + " stream " + std::to_string(h.stream) +
-                                               " belongs to generation " + std::to_string(h.generation) + ", the tensor is generation " +
-                                               std::to_string(generation_));
-    const auto s = static_cast<std::size_t>(h.stream);
-    if (present_[s]) {
-      if (checksum_[s] != h.checksum)
-        detail::fail(errc::corrupted_segment, "segment of layer " + std::to_string(h.layer) + " stream " + std::to_string(h.stream) +
-                                                  " differs from the copy already received (a sender re-encoded the layer?)");
-      return accept_result::duplicate;
-    }
-    std::memcpy(storage_[s].data(), segment.data() + segment_header_bytes, storage_[s].size());
-    checksum_[s] = h.checksum;
-    present_[s] = true;
-    return accept_result::accepted;
-  }
+  stream_ledger(kv_shape shape, std::uint32_t layer, std::uint64_t generation)
+      : geometry_(make_geometry<Plan, G>(shape)), layer_(layer), generation_(generation) {}
 
   /// Streams present as a prefix: 0 before the anchor, Plan::streams when complete.
   [[nodiscard]] int precision_level() const noexcept {
@@ -117,21 +93,6 @@ class bitplane_tensor<Plan, G, host_space> {
   [[nodiscard]] std::uint32_t layer() const noexcept { return layer_; }
   [[nodiscard]] std::uint64_t generation() const noexcept { return generation_; }
 
-  /// View at the current precision level (or a lower one).
-  [[nodiscard]] view_type view() const { return view_at(precision_level()); }
-  [[nodiscard]] view_type view_at(int level) const {
-    detail::require(level >= 0 && level <= precision_level(), errc::invalid_argument,
-                    "precision level " + std::to_string(level) + " requested for layer " + std::to_string(layer_) + ", which has " +
-                        std::to_string(precision_level()) + " stream(s)");
-    view_type v;
-    v.geometry = geometry_;
-    v.layer = layer_;
-    v.level = level;
-    for (int s = 0; s < Plan::streams; ++s)
-      v.payload[static_cast<std::size_t>(s)] = present_[static_cast<std::size_t>(s)] ? storage_[static_cast<std::size_t>(s)].data() : nullptr;
-    return v;
-  }
-
   /// Forgets every stream (for reuse by a new request of the same shape).
   void reset(std::uint64_t generation) noexcept {
     generation_ = generation;
@@ -139,13 +100,93 @@ class bitplane_tensor<Plan, G, host_space> {
     checksum_ = {};
   }
 
+ protected:
+  /// A validated segment, not yet stored.
+  struct admission {
+    std::size_t stream = 0;
+    std::uint64_t checksum = 0;
+    bool duplicate = false;
+  };
+
+  /// Validates a segment (header, checksum, plan, shape, layer, generation) and
+  /// says where it goes; throws lynx::error on any problem. Changes nothing.
+  [[nodiscard]] admission admit(std::span<const std::byte> segment) const {
+    const segment_header h = validate_segment(segment, geometry_, layer_);
+    if (h.generation != generation_)
+      detail::fail(errc::stale_generation, "segment of layer " + std::to_string(h.layer) + " stream " + std::to_string(h.stream) +
+                                               " belongs to generation " + std::to_string(h.generation) + ", the tensor is generation " +
+                                               std::to_string(generation_));
+    const auto s = static_cast<std::size_t>(h.stream);
+    if (present_[s] && checksum_[s] != h.checksum)
+      detail::fail(errc::corrupted_segment, "segment of layer " + std::to_string(h.layer) + " stream " + std::to_string(h.stream) +
+                                                " differs from the copy already received (a sender re-encoded the layer?)");
+    return {s, h.checksum, present_[s]};
+  }
+  /// Marks a stream present once its payload is stored.
+  void record(const admission& a) noexcept {
+    checksum_[a.stream] = a.checksum;
+    present_[a.stream] = true;
+  }
+
+  /// A view at `level` whose stream s payload is payload_of(s) (absent streams: nullptr).
+  template <memory_space Space, class PayloadOf>
+  [[nodiscard]] bitplane_view<Plan, G, Space> make_view(int level, PayloadOf payload_of) const {
+    detail::require(level >= 0 && level <= precision_level(), errc::invalid_argument,
+                    "precision level " + std::to_string(level) + " requested for layer " + std::to_string(layer_) + ", which has " +
+                        std::to_string(precision_level()) + " stream(s)");
+    bitplane_view<Plan, G, Space> v;
+    v.geometry = geometry_;
+    v.layer = layer_;
+    v.level = level;
+    for (int s = 0; s < Plan::streams; ++s)
+      v.payload[static_cast<std::size_t>(s)] = present_[static_cast<std::size_t>(s)] ? payload_of(s) : nullptr;
+    return v;
+  }
+
  private:
   layer_geometry geometry_;
   std::uint32_t layer_;
   std::uint64_t generation_;
-  std::array<aligned_buffer, max_streams> storage_{};
   std::array<bool, max_streams> present_{};
   std::array<std::uint64_t, max_streams> checksum_{};
+};
+
+}  // namespace detail
+
+/// Host receiver tensor of one layer.
+template <stream_plan_type Plan, int G>
+class bitplane_tensor<Plan, G, host_space> : public detail::stream_ledger<Plan, G> {
+  using ledger = detail::stream_ledger<Plan, G>;
+
+ public:
+  using plan = Plan;
+  using space = host_space;
+  using view_type = bitplane_view<Plan, G, host_space>;
+  static constexpr int group_size = G;
+
+  bitplane_tensor(kv_shape shape, std::uint32_t layer, std::uint64_t generation = 0) : ledger(shape, layer, generation) {
+    for (int s = 0; s < Plan::streams; ++s)
+      storage_[static_cast<std::size_t>(s)] = aligned_buffer(static_cast<std::size_t>(this->geometry().payload_bytes(s)));
+  }
+
+  /// Validates and stores a segment (header + payload). On any error the tensor
+  /// is unchanged and lynx::error says what and where.
+  accept_result accept(std::span<const std::byte> segment) {
+    const auto a = this->admit(segment);
+    if (a.duplicate) return accept_result::duplicate;
+    std::memcpy(storage_[a.stream].data(), segment.data() + segment_header_bytes, storage_[a.stream].size());
+    this->record(a);
+    return accept_result::accepted;
+  }
+
+  /// View at the current precision level (or a lower one).
+  [[nodiscard]] view_type view() const { return view_at(this->precision_level()); }
+  [[nodiscard]] view_type view_at(int level) const {
+    return this->template make_view<host_space>(level, [&](int s) -> const std::byte* { return storage_[static_cast<std::size_t>(s)].data(); });
+  }
+
+ private:
+  std::array<aligned_buffer, max_streams> storage_{};
 };
 
 template <stream_plan_type Plan, int G = 32>

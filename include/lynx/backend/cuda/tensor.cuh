@@ -83,7 +83,9 @@ namespace lynx {
 /// allocation per stream, filled by stream-ordered copies on `stream()`.
 /// A view is valid for kernels launched on that stream (or after synchronizing it).
 template <stream_plan_type Plan, int G>
-class bitplane_tensor<Plan, G, device_space> {
+class bitplane_tensor<Plan, G, device_space> : public detail::stream_ledger<Plan, G> {
+  using ledger = detail::stream_ledger<Plan, G>;
+
  public:
   using plan = Plan;
   using space = device_space;
@@ -91,9 +93,9 @@ class bitplane_tensor<Plan, G, device_space> {
   static constexpr int group_size = G;
 
   bitplane_tensor(kv_shape shape, std::uint32_t layer, std::uint64_t generation = 0, cudaStream_t stream = nullptr)
-      : geometry_(make_geometry<Plan, G>(shape)), layer_(layer), generation_(generation), stream_(stream) {
+      : ledger(shape, layer, generation), stream_(stream) {
     for (int s = 0; s < Plan::streams; ++s)
-      storage_[static_cast<std::size_t>(s)] = cuda::device_buffer(static_cast<std::size_t>(geometry_.payload_bytes(s)));
+      storage_[static_cast<std::size_t>(s)] = cuda::device_buffer(static_cast<std::size_t>(this->geometry().payload_bytes(s)));
   }
 
   /// Validates a segment held in host memory (header + payload) and copies its
@@ -102,23 +104,12 @@ class bitplane_tensor<Plan, G, device_space> {
   /// from pageable memory it has left `segment` when this returns; from pinned
   /// memory the caller keeps `segment` alive and unchanged until stream() passes it.
   accept_result accept(std::span<const std::byte> segment) {
-    const segment_header h = validate_segment(segment, geometry_, layer_);
-    if (h.generation != generation_)
-      detail::fail(errc::stale_generation, "segment of layer " + std::to_string(h.layer) + " stream " + std::to_string(h.stream) +
-                                               " belongs to generation " + std::to_string(h.generation) + ", the tensor is generation " +
-                                               std::to_string(generation_));
-    const auto s = static_cast<std::size_t>(h.stream);
-    if (present_[s]) {
-      if (checksum_[s] != h.checksum)
-        detail::fail(errc::corrupted_segment, "segment of layer " + std::to_string(h.layer) + " stream " + std::to_string(h.stream) +
-                                                  " differs from the copy already received (a sender re-encoded the layer?)");
-      return accept_result::duplicate;
-    }
-    cuda::check(cudaMemcpyAsync(storage_[s].data(), segment.data() + segment_header_bytes, storage_[s].size(), cudaMemcpyHostToDevice,
-                                stream_),
+    const auto a = this->admit(segment);
+    if (a.duplicate) return accept_result::duplicate;
+    cuda::check(cudaMemcpyAsync(storage_[a.stream].data(), segment.data() + segment_header_bytes, storage_[a.stream].size(),
+                                cudaMemcpyHostToDevice, stream_),
                 "cudaMemcpyAsync (segment payload to device)");
-    checksum_[s] = h.checksum;
-    present_[s] = true;
+    this->record(a);
     return accept_result::accepted;
   }
 
@@ -141,50 +132,17 @@ class bitplane_tensor<Plan, G, device_space> {
     return r;
   }
 
-  [[nodiscard]] int precision_level() const noexcept {
-    int l = 0;
-    while (l < Plan::streams && present_[static_cast<std::size_t>(l)]) ++l;
-    return l;
-  }
-  [[nodiscard]] int planes_present() const noexcept { return Plan::planes_at_level(precision_level()); }
-  [[nodiscard]] bool has_stream(int s) const noexcept { return s >= 0 && s < Plan::streams && present_[static_cast<std::size_t>(s)]; }
-  [[nodiscard]] bool complete() const noexcept { return precision_level() == Plan::streams; }
-  [[nodiscard]] const layer_geometry& geometry() const noexcept { return geometry_; }
-  [[nodiscard]] kv_shape shape() const noexcept { return geometry_.shape(); }
-  [[nodiscard]] std::uint32_t layer() const noexcept { return layer_; }
-  [[nodiscard]] std::uint64_t generation() const noexcept { return generation_; }
   [[nodiscard]] cudaStream_t stream() const noexcept { return stream_; }
 
   /// View at the current precision level (or a lower one); payload pointers are device pointers.
-  [[nodiscard]] view_type view() const { return view_at(precision_level()); }
+  [[nodiscard]] view_type view() const { return view_at(this->precision_level()); }
   [[nodiscard]] view_type view_at(int level) const {
-    detail::require(level >= 0 && level <= precision_level(), errc::invalid_argument,
-                    "precision level " + std::to_string(level) + " requested for layer " + std::to_string(layer_) + ", which has " +
-                        std::to_string(precision_level()) + " stream(s)");
-    view_type v;
-    v.geometry = geometry_;
-    v.layer = layer_;
-    v.level = level;
-    for (int s = 0; s < Plan::streams; ++s)
-      v.payload[static_cast<std::size_t>(s)] = present_[static_cast<std::size_t>(s)] ? storage_[static_cast<std::size_t>(s)].data() : nullptr;
-    return v;
-  }
-
-  /// Forgets every stream (for reuse by a new request of the same shape).
-  void reset(std::uint64_t generation) noexcept {
-    generation_ = generation;
-    present_ = {};
-    checksum_ = {};
+    return this->template make_view<device_space>(level, [&](int s) -> const std::byte* { return storage_[static_cast<std::size_t>(s)].data(); });
   }
 
  private:
-  layer_geometry geometry_;
-  std::uint32_t layer_;
-  std::uint64_t generation_;
   cudaStream_t stream_;
   std::array<cuda::device_buffer, max_streams> storage_{};
-  std::array<bool, max_streams> present_{};
-  std::array<std::uint64_t, max_streams> checksum_{};
 };
 
 template <stream_plan_type Plan, int G = 32>

@@ -511,7 +511,7 @@ inline bool compiled_head_dim(std::int64_t d) {
 template <class TailT>
 attention_launch_shape check_call(std::int64_t prompt_tokens, std::int64_t prompt_kv_heads, std::int64_t prompt_head_dim, bool has_prompt,
                                   const kv_view<const TailT, device_space>& tk, const kv_view<const TailT, device_space>& tv,
-                                  const attention_queries& q, tail_visibility vis, const attention_output& out) {
+                                  const attention_queries& q, tail_visibility vis) {
   using lynx::detail::require;
   require(q.count >= 0 && q.q_heads >= 1 && q.head_dim >= 1, errc::shape_mismatch,
           "cuda attention: queries need q_heads >= 1 and head_dim >= 1, got count=" + std::to_string(q.count) +
@@ -547,13 +547,21 @@ attention_launch_shape check_call(std::int64_t prompt_tokens, std::int64_t promp
                 std::to_string(lo) + "), the tail holds " + std::to_string(tk.shape.tokens));
     require(s.prompt_tokens + lo >= 1, errc::invalid_argument,
             "cuda attention: a query would see no token at all (no prompt, empty tail)");
-    require(q.data != nullptr && out.data != nullptr, errc::invalid_argument, "cuda attention: null query or output data");
   }
-  require(s.max_tail_visible == 0 || (tk.data != nullptr && tv.data != nullptr), errc::invalid_argument, "cuda attention: null tail data");
   require(s.chunks() <= 0x7fffffff && s.kv_heads <= 65535 && s.pair_tiles() <= 65535, errc::shape_mismatch,
           "cuda attention: " + std::to_string(s.chunks()) + " chunks x " + std::to_string(s.kv_heads) + " kv heads x " +
               std::to_string(s.pair_tiles()) + " pair tiles exceed a CUDA grid");
   return s;
+}
+
+/// Pointer checks of a launch (the sizing call may pass null data, as in CUB).
+template <class TailT>
+void check_pointers(const kv_view<const TailT, device_space>& tk, const kv_view<const TailT, device_space>& tv, const attention_queries& q,
+                    const attention_output& out, const attention_launch_shape& s) {
+  lynx::detail::require(q.count == 0 || (q.data != nullptr && out.data != nullptr), errc::invalid_argument,
+                        "cuda attention: null query or output data");
+  lynx::detail::require(s.max_tail_visible == 0 || (tk.data != nullptr && tv.data != nullptr), errc::invalid_argument,
+                        "cuda attention: null tail data");
 }
 
 inline void check_workspace(const void* workspace, std::size_t bytes, const attention_launch_shape& s) {
@@ -605,26 +613,25 @@ class decode_attention {
  public:
   Variant variant{};
 
-  /// Launch shape of a call (throws on bad shapes): its workspace_bytes() is what the call needs.
+  /// Launch shape of a call (throws on bad shapes; data pointers are checked at launch):
+  /// its workspace_bytes() is what the call needs.
   template <stream_plan_type Plan, int G, class TailT>
   static attention_launch_shape shape_of(const bitplane_view<Plan, G, device_space>& prompt, kv_view<const TailT, device_space> tk,
-                                         kv_view<const TailT, device_space> tv, const attention_queries& q, tail_visibility vis,
-                                         attention_output out = {}) {
+                                         kv_view<const TailT, device_space> tv, const attention_queries& q, tail_visibility vis) {
     lynx::detail::require(prompt.level >= 1, errc::invalid_argument,
                           "cuda attention: prompt layer " + std::to_string(prompt.layer) + " has no anchor yet (precision level 0)");
-    return detail::check_call(prompt.geometry.tokens, prompt.geometry.kv_heads, prompt.geometry.head_dim, true, tk, tv, q, vis, out);
+    return detail::check_call(prompt.geometry.tokens, prompt.geometry.kv_heads, prompt.geometry.head_dim, true, tk, tv, q, vis);
   }
   template <class T, class TailT>
   static attention_launch_shape shape_of(const dense_prompt<T>& prompt, kv_view<const TailT, device_space> tk,
-                                         kv_view<const TailT, device_space> tv, const attention_queries& q, tail_visibility vis,
-                                         attention_output out = {}) {
+                                         kv_view<const TailT, device_space> tv, const attention_queries& q, tail_visibility vis) {
     lynx::detail::require(prompt.keys.shape == prompt.values.shape, errc::shape_mismatch,
                           "cuda attention: prompt keys " + to_string(prompt.keys.shape) + " and values " + to_string(prompt.values.shape) +
                               " differ");
     lynx::detail::require(prompt.keys.shape.tokens == 0 || (prompt.keys.data != nullptr && prompt.values.data != nullptr),
                           errc::invalid_argument, "cuda attention: null prompt data");
     return detail::check_call(prompt.keys.shape.tokens, prompt.keys.shape.kv_heads, prompt.keys.shape.head_dim, prompt.keys.shape.tokens > 0,
-                              tk, tv, q, vis, out);
+                              tk, tv, q, vis);
   }
 
   /// Bit-plane prompt at its view's precision level, plus the tail.
@@ -635,12 +642,13 @@ class decode_attention {
                                        const attention_queries& q, tail_visibility vis, attention_output out,
                                        cudaStream_t stream = nullptr) const {
     static_assert(std::is_same_v<TailT, float> || std::is_same_v<TailT, bf16>, "cuda::decode_attention: the tail holds float or bf16");
-    const attention_launch_shape s = shape_of(prompt, tail_keys, tail_values, q, vis, out);
+    const attention_launch_shape s = shape_of(prompt, tail_keys, tail_values, q, vis);
     if (workspace == nullptr) {
       workspace_bytes = s.workspace_bytes();
       return cudaSuccess;
     }
     detail::check_workspace(workspace, workspace_bytes, s);
+    detail::check_pointers(tail_keys, tail_values, q, out, s);
     const auto src = detail::make_plane_source(prompt);
     const detail::dense_source<TailT> tail{tail_keys, tail_values};
     return lynx::dispatch<8, 64, 128, 256>(static_cast<int>(s.head_dim), [&]<int D>() {
@@ -656,12 +664,13 @@ class decode_attention {
                                        cudaStream_t stream = nullptr) const {
     static_assert(std::is_same_v<T, float> || std::is_same_v<T, bf16>, "cuda::decode_attention: a dense prompt holds float or bf16");
     static_assert(std::is_same_v<TailT, float> || std::is_same_v<TailT, bf16>, "cuda::decode_attention: the tail holds float or bf16");
-    const attention_launch_shape s = shape_of(prompt, tail_keys, tail_values, q, vis, out);
+    const attention_launch_shape s = shape_of(prompt, tail_keys, tail_values, q, vis);
     if (workspace == nullptr) {
       workspace_bytes = s.workspace_bytes();
       return cudaSuccess;
     }
     detail::check_workspace(workspace, workspace_bytes, s);
+    detail::check_pointers(tail_keys, tail_values, q, out, s);
     const detail::dense_source<T> src{prompt.keys, prompt.values};
     const detail::dense_source<TailT> tail{tail_keys, tail_values};
     return lynx::dispatch<8, 64, 128, 256>(static_cast<int>(s.head_dim), [&]<int D>() {

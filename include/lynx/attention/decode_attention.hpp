@@ -277,16 +277,19 @@ class decode_attention {
     const std::int64_t per_thread = detail::split_scratch_floats(heads, D, p.value_groups) + 64;
     const int threads = options.threads <= 0 ? detail::hardware_threads() : options.threads;
 
-    // work items: (query, kv head, split)
+    // work items: (query, split, kv head)
     const std::int64_t items = q.count * p.kv_heads * splits;
     detail::parallel_for(threads, threads, [&](std::int64_t w0, std::int64_t w1) {
       for (std::int64_t worker = w0; worker < w1; ++worker) {
         const detail::split_scratch w = detail::carve_scratch(scratch_base + worker * per_thread, heads, D, p.value_groups);
         const std::int64_t i0 = items * worker / threads, i1 = items * (worker + 1) / threads;
         for (std::int64_t item = i0; item < i1; ++item) {
+          // kv head fastest: consecutive items read the same tokens' rows of a
+          // token-major cache (pages stay in the TLB); which item runs where
+          // never changes what it computes
           const std::int64_t i = item / (p.kv_heads * splits);
-          const std::int64_t g = (item / splits) % p.kv_heads;
-          const std::int64_t s = item % splits;
+          const std::int64_t s = (item / p.kv_heads) % splits;
+          const std::int64_t g = item % p.kv_heads;
           float* state = partials + ((i * p.kv_heads + g) * splits + s) * heads * stride_state;
           float* m = state;                // [heads]
           float* l = state + heads;        // [heads]

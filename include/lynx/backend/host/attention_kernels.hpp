@@ -839,7 +839,10 @@ LYNX_ATTENTION_AVX512_TARGET void score_tokens_avx512(const dense_kv_source<T>& 
   for (; t + 16 <= t1; t += 16) {
     for (int i = 0; i < 16; ++i) {
       const T* k = &src.keys(t + i, kv_head, 0);
-      if (i + 16 < t1 - t) __builtin_prefetch(&src.keys(t + i + 16, kv_head, 0), 0, 3);
+      if (i + 32 < t1 - t) {  // rows are kv_heads * head_dim apart: ask for each line of the row 32 tokens ahead
+        const char* ahead = reinterpret_cast<const char*>(&src.keys(t + i + 32, kv_head, 0));
+        for (std::size_t off = 0; off < D * sizeof(T); off += 64) __builtin_prefetch(ahead + off, 0, 3);
+      }
       for (int c = 0; c < D; c += 16) _mm512_store_ps(rows + i * D + c, load16_avx512(k + c));
     }
     for (int h = 0; h < heads; ++h) {
@@ -866,6 +869,10 @@ LYNX_ATTENTION_AVX512_TARGET void accumulate_dense_chunk_avx512(const dense_kv_s
     for (int k = 0; k < NV; ++k) a[h][k] = _mm512_setzero_ps();
   for (std::int64_t t = t0; t < t1; ++t) {
     const T* row = &src.values(t, kv_head, c0);
+    if (t + 16 < t1) {
+      const char* ahead = reinterpret_cast<const char*>(&src.values(t + 16, kv_head, c0));
+      for (std::size_t off = 0; off < 16 * NV * sizeof(T); off += 64) __builtin_prefetch(ahead + off, 0, 3);
+    }
     __m512 v[NV];
     for (int k = 0; k < NV; ++k) v[k] = load16_avx512(row + 16 * k);
     for (int h = 0; h < HC; ++h) {

@@ -48,9 +48,9 @@ struct kv_view {
   [[nodiscard]] LYNX_HOST_DEVICE bool channels_contiguous() const { return channel_stride == 1; }
 
   /// A view of mutable elements converts to a view of const ones.
-  operator kv_view<const T, Space>() const
-    requires(!std::is_const_v<T>)
-  {
+  template <class U = T>
+    requires(!std::is_const_v<U>)
+  operator kv_view<const U, Space>() const {
     return {data, shape, token_stride, head_stride, channel_stride};
   }
 };

@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "disagg/report.hpp"
 #include "disagg/request.hpp"
 
 namespace ll = lynx_examples::llama2c;
@@ -69,37 +70,6 @@ arguments parse(int argc, char** argv) {
   return a;
 }
 
-std::string ms(double s) {
-  if (s < 0) return "-";
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%.2f", s * 1e3);
-  return buf;
-}
-
-void print_table(const std::vector<dg::timeline>& runs) {
-  auto row = [&](const char* label, auto get) {
-    std::printf("  %-34s", label);
-    for (const auto& r : runs) std::printf(" %16s", get(r).c_str());
-    std::printf("\n");
-  };
-  std::printf("\n  %-34s", "ms since the request arrived");
-  for (const auto& r : runs) std::printf(" %16s", r.name.c_str());
-  std::printf("\n");
-  row("bytes sent", [](const dg::timeline& r) { return std::to_string(r.bytes_sent); });
-  row("prefill done", [](const dg::timeline& r) { return ms(r.prefill_done); });
-  row("encoded (all layers)", [](const dg::timeline& r) { return ms(r.encode_done); });
-  row("anchor landed (all layers)", [](const dg::timeline& r) { return ms(r.anchor_landed); });
-  row("first draft token", [](const dg::timeline& r) { return ms(r.first_draft); });
-  row("residual landed (all layers)", [](const dg::timeline& r) { return ms(r.residual_landed); });
-  row("verification done", [](const dg::timeline& r) { return ms(r.verification_done); });
-  row("  drafts accepted", [](const dg::timeline& r) {
-    return r.verified_drafts || r.verification_done >= 0 ? std::to_string(r.accepted_drafts) + " of " + std::to_string(r.verified_drafts)
-                                                          : std::string("-");
-  });
-  row("first committed token after prefill's", [](const dg::timeline& r) { return ms(r.first_committed); });
-  row("all tokens committed", [](const dg::timeline& r) { return ms(r.all_committed); });
-}
-
 template <class Plan>
 dg::timeline run_lynx(const ll::weights& w, const dg::prefill_result& pre, const dg::request_config& c) {
   return dg::run_request<Plan>(w, pre, c, Plan::streams, "Lynx " + Plan::name());
@@ -141,7 +111,7 @@ int main(int argc, char** argv) try {
   runs.push_back(dg::run_request<lynx::plan_8_8>(w, pre, args.request, 1, "blocking 8-bit"));
   std::fprintf(stderr, "[5/5] blocking 4-bit...\n");
   runs.push_back(dg::run_request<lynx::plan_8_4_4>(w, pre, args.request, 1, "blocking 4-bit"));
-  print_table(runs);
+  dg::print_table(runs);
 
   const dg::timeline& lynx_run = runs[0];
   const dg::timeline& target = args.plan.rfind("16", 0) == 0 ? runs[1] : runs[2];

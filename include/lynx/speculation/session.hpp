@@ -8,6 +8,12 @@
 // (set_available_level) as segments land, and calls step() to do one unit of
 // work (one forward). Only committed tokens reach the user, through on_commit.
 // With plans of three or more streams it verifies at each level as it lands.
+//
+// When the residual will not come (failure_policy.hpp), the driver either
+// fails the session (fail) or lets it decode on at the level present
+// (continue_unverified): every token committed after that is reported with
+// committed_token::verified == false, through on_commit_event, and counted in
+// stats().unverified_tokens.
 #pragma once
 
 #include <cstdint>
@@ -68,14 +74,23 @@ struct session_stats {
   std::int64_t verified_drafts = 0;    // drafts checked at the target level
   std::int64_t accepted_drafts = 0;    // of those, accepted
   std::int64_t forwards = 0;           // engine forwards of any kind
+  std::int64_t unverified_tokens = 0;  // committed after continue_unverified: not checked at the request's full precision
   [[nodiscard]] double acceptance_rate() const { return verified_drafts ? double(accepted_drafts) / double(verified_drafts) : 0.0; }
   [[nodiscard]] double mean_accepted_length() const { return verifications ? double(accepted_drafts) / double(verifications) : 0.0; }
+};
+
+/// One committed token as the flagged callback sees it.
+struct committed_token {
+  std::int32_t token = 0;
+  std::int64_t position = 0;  // its position in the sequence (the prompt is 0 .. prompt_tokens - 1)
+  bool verified = true;       // false: committed after continue_unverified, at a level below the request's target
 };
 
 template <decode_engine Engine, verifier_policy Verifier = greedy_verifier>
 class progressive_session {
  public:
   using commit_callback = std::function<void(std::int32_t token, std::int64_t position)>;
+  using commit_event_callback = std::function<void(const committed_token&)>;
 
   /// prompt_tokens: tokens of the prompt (their KV is the transferred cache);
   /// first_token: the token the prefill node chose from the prompt's last logits
@@ -83,7 +98,7 @@ class progressive_session {
   progressive_session(Engine& engine, Verifier verifier, int target_level, std::int64_t prompt_tokens, std::int32_t first_token,
                       session_options options = {}, commit_callback on_commit = {})
       : engine_(engine), verifier_(std::move(verifier)), options_(options), on_commit_(std::move(on_commit)),
-        target_level_(target_level), prompt_tokens_(prompt_tokens), base_tail_(engine.tail_size()) {
+        target_level_(target_level), requested_level_(target_level), prompt_tokens_(prompt_tokens), base_tail_(engine.tail_size()) {
     detail::require(target_level >= 1, errc::invalid_argument, "session: target level must be at least 1");
     detail::require(options.max_draft >= 0, errc::invalid_argument, "session: max_draft must be >= 0");
     detail::require(options.max_new_tokens >= 1, errc::invalid_argument, "session: max_new_tokens must be >= 1");
@@ -104,6 +119,53 @@ class progressive_session {
     failure_ = why;
     state_override_failed_ = true;
   }
+
+  /// Also receives every committed token, with its verified flag (the
+  /// constructor's callback, if any, still gets every token too). Tokens
+  /// committed before the call (the prefill's own token) are replayed at once.
+  void on_commit_event(commit_event_callback callback) {
+    on_commit_event_ = std::move(callback);
+    if (!on_commit_event_) return;
+    const std::int64_t verified = verified_tokens();
+    for (std::size_t i = 0; i < committed_.size(); ++i)
+      on_commit_event_({committed_[i], prompt_tokens_ + static_cast<std::int64_t>(i), static_cast<std::int64_t>(i) < verified});
+  }
+
+  /// The missing planes will not come: decode on at the level available on
+  /// every layer (at least the anchor), which becomes the session's target.
+  /// Drafts pending at that level are committed as they are (they are that
+  /// level's own tokens), drafts of a lower level are verified at it; every
+  /// token committed from now on is marked unverified. Nothing changes when
+  /// every level is already present. errc::invalid_argument without the anchor.
+  void continue_unverified(const std::string& why) {
+    detail::require(!state_override_failed_, errc::invalid_argument, "session: continue_unverified after the session failed: " + failure_);
+    detail::require(available_ >= 1, errc::invalid_argument, "session: continue_unverified without the anchor (no level present): " + why);
+    if (available_ == target_level_) return;
+    failure_ = why;
+    unverified_ = true;
+    target_level_ = available_;
+    if (draft_level_ == available_ && drafts() > 0) {
+      // inputs_ = [a, d1 .. dn] with a .. d(n-1) in the tail at this level: greedy or
+      // sampled at the new target, so a check at the same level would accept them all.
+      const std::int64_t n = drafts();
+      for (std::int64_t i = 1; i <= n; ++i) commit(inputs_[static_cast<std::size_t>(i)]);
+      verified_ += n;
+      const std::int32_t last = inputs_.back();
+      inputs_.assign(1, last);
+      draft_rows_.clear();
+      fed_ = 0;
+    }
+  }
+  /// continue_unverified took effect: tokens committed from then on are unverified.
+  [[nodiscard]] bool unverified() const noexcept { return unverified_; }
+  /// Committed tokens that are exact (a prefix of committed()).
+  [[nodiscard]] std::int64_t verified_tokens() const noexcept {
+    return static_cast<std::int64_t>(committed_.size()) - stats_.unverified_tokens;
+  }
+  /// The level the session decodes to: the request's target, or lower after continue_unverified.
+  [[nodiscard]] int target_level() const noexcept { return target_level_; }
+  /// The level the request asked for (every stream of the plan that is sent).
+  [[nodiscard]] int requested_level() const noexcept { return requested_level_; }
 
   [[nodiscard]] session_state state() const {
     if (state_override_failed_) return session_state::failed;
@@ -149,7 +211,9 @@ class progressive_session {
     if (finished()) return;
     const std::int64_t position = prompt_tokens_ + static_cast<std::int64_t>(committed_.size());
     committed_.push_back(token);
+    if (unverified_) ++stats_.unverified_tokens;
     if (on_commit_) on_commit_(token, position);
+    if (on_commit_event_) on_commit_event_({token, position, !unverified_});
   }
 
   step_result draft_step() {
@@ -218,7 +282,9 @@ class progressive_session {
   Verifier verifier_;
   session_options options_;
   commit_callback on_commit_;
+  commit_event_callback on_commit_event_;
   int target_level_;
+  int requested_level_;
   std::int64_t prompt_tokens_;
   std::int64_t base_tail_;
   std::int64_t vocab_ = 0;
@@ -232,6 +298,7 @@ class progressive_session {
   session_stats stats_;
   std::string failure_;
   bool state_override_failed_ = false;
+  bool unverified_ = false;
 };
 
 }  // namespace lynx

@@ -15,7 +15,7 @@
 // decode side: --on-failure fail_request|continue_unverified|rerequest
 //   --anchor-deadline-ms N  --residual-deadline-ms N  --request-deadline-ms N
 // prefill side: --resend LAYER:STREAM,...  (send only these: answering a rerequest)
-//   --die-after-residuals K  (fault injection: SIGKILL itself once K residual segments are delivered)
+//   --die-after-residuals K  (fault injection: SIGKILL itself once every anchor and K residual segments are delivered)
 //   --stale-layers N  (fault injection: first send N anchors of the previous generation)
 //
 // With --role both and --on-failure rerequest, the decode process answers a
@@ -172,10 +172,14 @@ int prefill_over(Sender& sender, const ll::weights& w, const std::vector<int>& p
   o.residual_window = a.window;
   o.stale_anchor_layers = a.stale_layers;
   if (!a.resend.empty()) o.only = lynx::parse_segment_list(a.resend, a.generation);
-  int residuals = 0;
+  int residuals = 0, anchors = 0;
+  const int layers = w.cfg().n_layers;
   if (a.die_after_residuals >= 0)
-    o.on_final = [&](const auto& r) {
-      if (r.delivered && r.id.stream != 0 && r.id.generation == a.generation && ++residuals >= a.die_after_residuals) {
+    o.on_final = [&, layers](const auto& r) {
+      if (!r.delivered || r.id.generation != a.generation) return;
+      (r.id.stream == 0 ? anchors : residuals) += 1;
+      // Only once every anchor is delivered, so the decode side holds the anchor of every layer.
+      if (anchors == layers && residuals >= a.die_after_residuals) {
         std::fprintf(stderr, "prefill %d: fault injection: killed after %d residual segments delivered\n", static_cast<int>(::getpid()),
                      residuals);
         std::fflush(nullptr);

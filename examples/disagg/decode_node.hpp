@@ -19,6 +19,7 @@
 #include <functional>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "disagg/preamble.hpp"

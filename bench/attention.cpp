@@ -12,7 +12,7 @@
 // After the runs it prints each case's time as a multiple of its floor
 // max(memory, compute) and as a ratio to the bf16 baseline of the same shape.
 // On a shared machine run with --benchmark_repetitions=N: the table takes the
-// fastest repetition of every benchmark (floors and cases alike).
+// median repetition of every benchmark (floors and cases alike).
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
@@ -219,10 +219,15 @@ void run_compute_floor(benchmark::State& state, std::int64_t T, int threads) {
 // Captures each run's real time per iteration (ms) for the table.
 class table_reporter : public benchmark::ConsoleReporter {
  public:
-  std::map<std::string, double> ms;  // fastest repetition of each benchmark
+  std::map<std::string, std::vector<double>> runs_ms;  // every repetition of each benchmark
+  std::map<std::string, double> ms;                    // median repetition of each benchmark
   void note(const std::string& name, double t) {
-    const auto it = ms.find(name);
-    if (it == ms.end() || t < it->second) ms[name] = t;
+    std::vector<double>& v = runs_ms[name];
+    v.push_back(t);
+    std::vector<double> sorted = v;
+    std::sort(sorted.begin(), sorted.end());
+    const std::size_t n = sorted.size();
+    ms[name] = n % 2 == 1 ? sorted[n / 2] : 0.5 * (sorted[n / 2 - 1] + sorted[n / 2]);
   }
   void ReportRuns(const std::vector<Run>& runs) override {
     for (const Run& r : runs)

@@ -203,6 +203,11 @@ TEST_CASE_TEMPLATE("attention on every precision level matches fp64 on the recon
   accuracy_case<Plan>(1100, 1, 8, 128, 3, 2);   // two prompt splits, a last block of 12 tokens
   accuracy_case<Plan>(1, 3, 1, 8, 4, 4);        // head_dim 8 (the real model), a one-token prompt
   accuracy_case<Plan>(65, 1, 4, 256, 1, 1);
+  // small head_dims (the AVX-512 walk reads a last chunk of D % 16 channels)
+  accuracy_case<Plan>(300, 4, 2, 8, 40, 3);     // stories260K's shape: 4 kv heads, 2 q heads each, ~300 prompt tokens
+  accuracy_case<Plan>(70, 2, 4, 16, 3, 2);
+  accuracy_case<Plan>(90, 1, 8, 32, 2, 2);
+  accuracy_case<Plan>(45, 2, 2, 24, 3, 2);      // one chunk of 16 channels and one of 8
 }
 
 TEST_CASE("long context: several splits, large GQA group") {
@@ -264,31 +269,35 @@ TEST_CASE("variants: explicit scale, sliding window, soft-cap") {
 }
 
 TEST_CASE_TEMPLATE("batch invariance: alone vs among k queries, any thread count", Plan, lynx::plan_8_4_4, lynx::plan_16_4_4_8) {
-  const std::int64_t T = 2500, H = 2, D = 64, group = 4, qh = H * group, tail = 1100;
-  const lynx::kv_shape shape{T, H, D};
-  const auto k = make_kv(T, H, D, 41, true), v = make_kv(T, H, D, 42, false);
-  const auto tk = to_tail<bf16>(make_kv(tail, H, D, 43, true)), tv = to_tail<bf16>(make_kv(tail, H, D, 44, false));
-  const std::int64_t n = 8;
-  const auto q = make_queries(n, qh, D, 45);
-  const lynx::tail_visibility vis{tail - n, 1};  // the 8 queries straddle the tail's split boundary at 1024
-  for (int level = 1; level <= Plan::streams; ++level) {
-    const auto tensor = make_tensor<Plan>(k, v, shape, level);
-    for (auto path : paths()) {
-      // each query alone, on one thread
-      std::vector<std::vector<float>> alone;
-      for (std::int64_t i = 0; i < n; ++i)
-        alone.push_back(run_attention(tensor.view(), tk, tv, tail, H, D, q.data() + i * qh * D, 1, qh, {vis.base + i, 1}, 1, path));
-      for (std::int64_t kq = 2; kq <= n; ++kq)
-        for (int threads : {1, 2, 3, 7}) {
-          // queries [n - kq, n) together
-          const std::int64_t first = n - kq;
-          const auto together =
-              run_attention(tensor.view(), tk, tv, tail, H, D, q.data() + first * qh * D, kq, qh, {vis.base + first, 1}, threads, path);
-          for (std::int64_t i = 0; i < kq; ++i) {
-            INFO("level " << level << " k=" << kq << " threads=" << threads << " query " << first + i);
-            CHECK(same_bits(alone[static_cast<std::size_t>(first + i)], together.data() + i * qh * D, static_cast<std::size_t>(qh * D)));
+  // head_dim 64, and 8 (a last partial chunk of channels on the AVX-512 walk)
+  for (const std::int64_t D : {64, 8}) {
+    CAPTURE(D);
+    const std::int64_t T = 2500, H = 2, group = 4, qh = H * group, tail = 1100;
+    const lynx::kv_shape shape{T, H, D};
+    const auto k = make_kv(T, H, D, 41, true), v = make_kv(T, H, D, 42, false);
+    const auto tk = to_tail<bf16>(make_kv(tail, H, D, 43, true)), tv = to_tail<bf16>(make_kv(tail, H, D, 44, false));
+    const std::int64_t n = 8;
+    const auto q = make_queries(n, qh, D, 45);
+    const lynx::tail_visibility vis{tail - n, 1};  // the 8 queries straddle the tail's split boundary at 1024
+    for (int level = 1; level <= Plan::streams; ++level) {
+      const auto tensor = make_tensor<Plan>(k, v, shape, level);
+      for (auto path : paths()) {
+        // each query alone, on one thread
+        std::vector<std::vector<float>> alone;
+        for (std::int64_t i = 0; i < n; ++i)
+          alone.push_back(run_attention(tensor.view(), tk, tv, tail, H, D, q.data() + i * qh * D, 1, qh, {vis.base + i, 1}, 1, path));
+        for (std::int64_t kq = 2; kq <= n; ++kq)
+          for (int threads : {1, 2, 3, 7}) {
+            // queries [n - kq, n) together
+            const std::int64_t first = n - kq;
+            const auto together =
+                run_attention(tensor.view(), tk, tv, tail, H, D, q.data() + first * qh * D, kq, qh, {vis.base + first, 1}, threads, path);
+            for (std::int64_t i = 0; i < kq; ++i) {
+              INFO("level " << level << " k=" << kq << " threads=" << threads << " query " << first + i);
+              CHECK(same_bits(alone[static_cast<std::size_t>(first + i)], together.data() + i * qh * D, static_cast<std::size_t>(qh * D)));
+            }
           }
-        }
+      }
     }
   }
 }

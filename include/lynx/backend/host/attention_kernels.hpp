@@ -313,10 +313,11 @@ LYNX_ATTENTION_AVX512_TARGET inline float fold_query_avx512(const float* q, cons
                                                   float* qs) {
   const __m512 u = _mm512_set1_ps(unit), hv = _mm512_set1_ps(half);
   __m512 lane = _mm512_setzero_ps();
-  for (int c = 0; c < D; c += 16) {
-    const __m512 qv = _mm512_loadu_ps(q + c), sc = _mm512_loadu_ps(scale + c);
-    _mm512_storeu_ps(qs + c, _mm512_mul_ps(qv, _mm512_mul_ps(sc, u)));
-    lane = _mm512_fmadd_ps(qv, _mm512_fmadd_ps(sc, hv, _mm512_loadu_ps(zero + c)), lane);
+  for (int c = 0; c < D; c += 16) {  // a last chunk of D % 16 channels: the other lanes stay as they are
+    const __mmask16 k = D - c >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (D - c)) - 1u);
+    const __m512 qv = _mm512_maskz_loadu_ps(k, q + c), sc = _mm512_maskz_loadu_ps(k, scale + c);
+    _mm512_mask_storeu_ps(qs + c, k, _mm512_mul_ps(qv, _mm512_mul_ps(sc, u)));
+    lane = _mm512_mask3_fmadd_ps(qv, _mm512_fmadd_ps(sc, hv, _mm512_maskz_loadu_ps(k, zero + c)), lane, k);
   }
   alignas(64) float x[16];
   _mm512_store_ps(x, lane);
@@ -477,9 +478,16 @@ inline bool host_has_gfni() {
 /// 8x8 bit matrix, giving one byte per token with plane 0 in the top bit
 /// (= prefix << (8 - planes) for up to 8 planes). Planes 8..15 make a low byte.
 /// tile[c][32] receives float(prefix << (decoded_bits - P)), decoded_bits = 8 or 16.
-LYNX_ATTENTION_GFNI_TARGET inline void transpose_planes_gfni(const std::uint32_t* const* rows, int first, int count, int c0, __m512i out[2][2][2]) {
+/// `channels` (1..16) of the 16 are read (head_dims that are not multiples of 16):
+/// the others transpose as zero words and their codes are never used.
+LYNX_ATTENTION_GFNI_TARGET inline void transpose_planes_gfni(const std::uint32_t* const* rows, int first, int count, int c0, int channels,
+                                                             __m512i out[2][2][2]) {
   __m512i wv[8];
-  for (int j = 0; j < 8; ++j) wv[j] = j < count ? _mm512_loadu_si512(rows[first + j] + c0) : _mm512_setzero_si512();
+  const __mmask16 live = channels >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << channels) - 1u);
+  for (int j = 0; j < 8; ++j)
+    wv[j] = j >= count ? _mm512_setzero_si512()
+            : channels >= 16 ? _mm512_loadu_si512(rows[first + j] + c0)
+                             : _mm512_maskz_loadu_epi32(live, rows[first + j] + c0);
   __m512i a[4][2], bq[2][2][2];
   for (int p = 0; p < 4; ++p) {
     a[p][0] = _mm512_unpacklo_epi8(wv[2 * p], wv[2 * p + 1]);
@@ -509,8 +517,8 @@ LYNX_ATTENTION_GFNI_TARGET inline void decode_block_gfni(const std::uint32_t* co
   const __mmask64 low_bytes = 0x1111111111111111ull;
   for (int c0 = 0; c0 < D; c0 += 16) {
     __m512i hi[2][2][2], lo[2][2][2];
-    transpose_planes_gfni(rows, 0, planes < 8 ? planes : 8, c0, hi);
-    if (planes > 8) transpose_planes_gfni(rows, 8, planes - 8, c0, lo);
+    transpose_planes_gfni(rows, 0, planes < 8 ? planes : 8, c0, 16, hi);
+    if (planes > 8) transpose_planes_gfni(rows, 8, planes - 8, c0, 16, lo);
     for (int L = 0; L < 4; ++L)
       for (int m = 0; m < 4; ++m)
         for (int s3 = 0; s3 < 2; ++s3) {
@@ -522,42 +530,68 @@ LYNX_ATTENTION_GFNI_TARGET inline void decode_block_gfni(const std::uint32_t* co
   }
 }
 
-/// Scores of HC heads against one key block, decoding 16 channels at a time in
-/// registers (no tile in memory) and multiplying right away; each head's two
-/// token halves accumulate in channel order, exactly as score_block_avx512.
-template <int HC>
-LYNX_ATTENTION_GFNI_TARGET inline void score_block_fused_gfni(const std::uint32_t* const* rows, int planes, int D, const float* qs,
-                                                              const float* bias, float* out) {
-  __m512i zext[4];
+#define LYNX_ATTENTION_GFNI_INLINE LYNX_ATTENTION_GFNI_TARGET __attribute__((always_inline)) inline
+
+/// Byte-index vectors that zero-extend token bytes to dwords: zext[L] picks
+/// byte 16 L + i / 4 into dword i (with the low_bytes mask below).
+LYNX_ATTENTION_GFNI_INLINE void token_byte_zext_gfni(__m512i zext[4]) {
   for (int L = 0; L < 4; ++L) zext[L] = _mm512_add_epi8(_mm512_set1_epi8(static_cast<char>(16 * L)),
                                                          _mm512_set_epi8(15, 15, 15, 15, 14, 14, 14, 14, 13, 13, 13, 13, 12, 12, 12, 12,
                                                                          11, 11, 11, 11, 10, 10, 10, 10, 9, 9, 9, 9, 8, 8, 8, 8, 7, 7, 7, 7,
                                                                          6, 6, 6, 6, 5, 5, 5, 5, 4, 4, 4, 4, 3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1,
                                                                          1, 0, 0, 0, 0));
-  const __mmask64 low_bytes = 0x1111111111111111ull;
+}
+inline constexpr __mmask64 gfni_low_bytes = 0x1111111111111111ull;
+
+/// Codes of `cn` (<= 16) channels c0 + i of one block, as floats (lane = token,
+/// k[i][0]: tokens 0-15, k[i][1]: tokens 16-31), each channel handed to `use(i, k)`
+/// in channel order. cn is a constant in the full-chunk loops, so the bounds fold away.
+template <class Use>
+LYNX_ATTENTION_GFNI_INLINE void decode_chunk_gfni(const std::uint32_t* const* rows, int planes, int c0, int cn, const __m512i zext[4],
+                                                  Use&& use) {
+  __m512i hi[2][2][2], lo[2][2][2];
+  transpose_planes_gfni(rows, 0, planes < 8 ? planes : 8, c0, cn, hi);
+  if (planes > 8) transpose_planes_gfni(rows, 8, planes - 8, c0, cn, lo);
+  for (int L = 0; L < 4; ++L)
+    for (int m = 0; m < 4; ++m) {
+      if (4 * L + m >= cn) return;
+      __m512 k[2];
+      for (int s3 = 0; s3 < 2; ++s3) {
+        __m512i code = _mm512_maskz_permutexvar_epi8(gfni_low_bytes, zext[L], hi[m >> 1][m & 1][s3]);
+        if (planes > 8)
+          code = _mm512_or_si512(_mm512_slli_epi32(code, 8), _mm512_maskz_permutexvar_epi8(gfni_low_bytes, zext[L], lo[m >> 1][m & 1][s3]));
+        k[s3] = _mm512_cvtepi32_ps(code);
+      }
+      use(4 * L + m, k);
+    }
+}
+
+/// Scores of HC heads against one key block, decoding 16 channels at a time in
+/// registers (no tile in memory) and multiplying right away; each head's two
+/// token halves accumulate in channel order, exactly as score_block_avx512.
+/// Any head_dim: a last chunk of D % 16 channels reads only those channels.
+template <int HC>
+LYNX_ATTENTION_GFNI_TARGET inline void score_block_fused_gfni(const std::uint32_t* const* rows, int planes, int D, const float* qs,
+                                                              const float* bias, float* out) {
+  __m512i zext[4];
+  token_byte_zext_gfni(zext);
   __m512 a[HC][2];
   for (int h = 0; h < HC; ++h) a[h][0] = a[h][1] = _mm512_set1_ps(bias[h]);
-  for (int c0 = 0; c0 < D; c0 += 16) {
-    __m512i hi[2][2][2], lo[2][2][2];
-    transpose_planes_gfni(rows, 0, planes < 8 ? planes : 8, c0, hi);
-    if (planes > 8) transpose_planes_gfni(rows, 8, planes - 8, c0, lo);
-    for (int L = 0; L < 4; ++L)
-      for (int m = 0; m < 4; ++m) {
-        const int c = c0 + 4 * L + m;
-        __m512 k[2];
-        for (int s3 = 0; s3 < 2; ++s3) {
-          __m512i code = _mm512_maskz_permutexvar_epi8(low_bytes, zext[L], hi[m >> 1][m & 1][s3]);
-          if (planes > 8)
-            code = _mm512_or_si512(_mm512_slli_epi32(code, 8), _mm512_maskz_permutexvar_epi8(low_bytes, zext[L], lo[m >> 1][m & 1][s3]));
-          k[s3] = _mm512_cvtepi32_ps(code);
-        }
-        for (int h = 0; h < HC; ++h) {
-          const __m512 qv = _mm512_set1_ps(qs[h * D + c]);
-          a[h][0] = _mm512_fmadd_ps(qv, k[0], a[h][0]);
-          a[h][1] = _mm512_fmadd_ps(qv, k[1], a[h][1]);
-        }
+  struct accumulate {
+    const float* qs;
+    int D, c0;
+    __m512 (*a)[2];
+    LYNX_ATTENTION_GFNI_INLINE void operator()(int i, const __m512* k) const {
+      for (int h = 0; h < HC; ++h) {
+        const __m512 qv = _mm512_set1_ps(qs[h * D + c0 + i]);
+        a[h][0] = _mm512_fmadd_ps(qv, k[0], a[h][0]);
+        a[h][1] = _mm512_fmadd_ps(qv, k[1], a[h][1]);
       }
-  }
+    }
+  };
+  int c0 = 0;
+  for (; c0 + 16 <= D; c0 += 16) decode_chunk_gfni(rows, planes, c0, 16, zext, accumulate{qs, D, c0, a});
+  if (c0 < D) decode_chunk_gfni(rows, planes, c0, D - c0, zext, accumulate{qs, D, c0, a});
   for (int h = 0; h < HC; ++h) {
     _mm512_storeu_ps(out + h * attention_split_tokens, a[h][0]);
     _mm512_storeu_ps(out + h * attention_split_tokens + 16, a[h][1]);
@@ -567,49 +601,44 @@ LYNX_ATTENTION_GFNI_TARGET inline void score_block_fused_gfni(const std::uint32_
 /// Adds one value block to the lanes of HC heads, decoding 16 channels at a time
 /// in registers: lane l of (h, c) gains w[h][grp(c)][l] * code(l, c), then
 /// w[h][grp(c)][16 + l] * code(16 + l, c), as add_value_blocks_avx512 does.
+/// Any head_dim and value group size (the group's weights reload when it changes).
 template <int HC>
 LYNX_ATTENTION_GFNI_TARGET inline void add_value_block_fused_gfni(const std::uint32_t* const* rows, int planes, int D, std::int64_t VG,
                                                                   const float* weights /*[HC][groups][S], at this block*/,
                                                                   std::int64_t groups, __m512 unscale, float* lanes /*[HC][D][16]*/) {
   __m512i zext[4];
-  for (int L = 0; L < 4; ++L) zext[L] = _mm512_add_epi8(_mm512_set1_epi8(static_cast<char>(16 * L)),
-                                                         _mm512_set_epi8(15, 15, 15, 15, 14, 14, 14, 14, 13, 13, 13, 13, 12, 12, 12, 12,
-                                                                         11, 11, 11, 11, 10, 10, 10, 10, 9, 9, 9, 9, 8, 8, 8, 8, 7, 7, 7, 7,
-                                                                         6, 6, 6, 6, 5, 5, 5, 5, 4, 4, 4, 4, 3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1,
-                                                                         1, 0, 0, 0, 0));
-  const __mmask64 low_bytes = 0x1111111111111111ull;
-  __m512 wv[HC][2];
-  std::int64_t loaded_group = -1;
-  for (int c0 = 0; c0 < D; c0 += 16) {
-    const std::int64_t grp = c0 / VG;  // VG % 16 == 0: one group per 16 channels
-    if (grp != loaded_group) {
-      for (int h = 0; h < HC; ++h)
-        for (int k = 0; k < 2; ++k)
-          wv[h][k] = _mm512_mul_ps(_mm512_loadu_ps(weights + (h * groups + grp) * attention_split_tokens + 16 * k), unscale);
-      loaded_group = grp;
-    }
-    __m512i hi[2][2][2], lo[2][2][2];
-    transpose_planes_gfni(rows, 0, planes < 8 ? planes : 8, c0, hi);
-    if (planes > 8) transpose_planes_gfni(rows, 8, planes - 8, c0, lo);
-    for (int L = 0; L < 4; ++L)
-      for (int m = 0; m < 4; ++m) {
-        const int c = c0 + 4 * L + m;
-        __m512 k[2];
-        for (int s3 = 0; s3 < 2; ++s3) {
-          __m512i code = _mm512_maskz_permutexvar_epi8(low_bytes, zext[L], hi[m >> 1][m & 1][s3]);
-          if (planes > 8)
-            code = _mm512_or_si512(_mm512_slli_epi32(code, 8), _mm512_maskz_permutexvar_epi8(low_bytes, zext[L], lo[m >> 1][m & 1][s3]));
-          k[s3] = _mm512_cvtepi32_ps(code);
-        }
-        for (int h = 0; h < HC; ++h) {
-          float* lane = lanes + (static_cast<std::int64_t>(h) * D + c) * 16;
-          __m512 x = _mm512_load_ps(lane);
-          x = _mm512_fmadd_ps(wv[h][0], k[0], x);
-          x = _mm512_fmadd_ps(wv[h][1], k[1], x);
-          _mm512_store_ps(lane, x);
-        }
+  token_byte_zext_gfni(zext);
+  struct accumulate {
+    const float* weights;
+    std::int64_t VG, groups;
+    __m512 unscale;
+    float* lanes;
+    int D, c0;
+    std::int64_t* group_end;  // first channel past the group whose weights wv holds
+    __m512 (*wv)[2];
+    LYNX_ATTENTION_GFNI_INLINE void operator()(int i, const __m512* k) const {
+      const int c = c0 + i;
+      if (c >= *group_end) {  // channels come in order: a new group starts here (no division per channel)
+        const std::int64_t grp = c / VG;
+        for (int h = 0; h < HC; ++h)
+          for (int j = 0; j < 2; ++j)
+            wv[h][j] = _mm512_mul_ps(_mm512_loadu_ps(weights + (h * groups + grp) * attention_split_tokens + 16 * j), unscale);
+        *group_end = (grp + 1) * VG;
       }
-  }
+      for (int h = 0; h < HC; ++h) {
+        float* lane = lanes + (static_cast<std::int64_t>(h) * D + c) * 16;
+        __m512 x = _mm512_load_ps(lane);
+        x = _mm512_fmadd_ps(wv[h][0], k[0], x);
+        x = _mm512_fmadd_ps(wv[h][1], k[1], x);
+        _mm512_store_ps(lane, x);
+      }
+    }
+  };
+  __m512 wv[HC][2];
+  std::int64_t group_end = 0;
+  int c0 = 0;
+  for (; c0 + 16 <= D; c0 += 16) decode_chunk_gfni(rows, planes, c0, 16, zext, accumulate{weights, VG, groups, unscale, lanes, D, c0, &group_end, wv});
+  if (c0 < D) decode_chunk_gfni(rows, planes, c0, D - c0, zext, accumulate{weights, VG, groups, unscale, lanes, D, c0, &group_end, wv});
 }
 
 /// Bits of the integers decode_block writes: prefix << (decoded_bits(P) - P).
@@ -651,7 +680,7 @@ LYNX_ATTENTION_AVX512_TARGET void score_tokens_avx512(const plane_kv_source<Plan
   const layer_geometry& g = src.view.geometry;
   const int D = static_cast<int>(g.head_dim);
   // the tile holds prefix << shift: fold 2^-shift into the query (exact, a power of two)
-  const bool gfni = host_has_gfni() && D % 16 == 0;
+  const bool gfni = host_has_gfni();
   const int shift = gfni ? decoded_bits(src.planes) - src.planes : 0;
   const float unit = std::ldexp(src.level_unit(), -shift), half = src.half();
   const std::uint32_t* rows[16];
@@ -917,8 +946,8 @@ LYNX_ATTENTION_AVX512_TARGET void accumulate_values_avx512(const dense_kv_source
 
 /// Whether the AVX-512 kernels handle this source (else the portable ones do).
 template <stream_plan_type Plan, int G>
-bool avx512_supports(const plane_kv_source<Plan, G>& src) {
-  return G % attention_block_tokens == 0 && src.head_dim() % 16 == 0 && src.view.geometry.value_group % 16 == 0;
+bool avx512_supports(const plane_kv_source<Plan, G>&) {
+  return G % attention_block_tokens == 0;  // one key group per 32-token block; any head_dim and value group
 }
 template <class T>
 bool avx512_supports(const dense_kv_source<T>& src) {

@@ -4,9 +4,9 @@
 // the 16-bit baseline; or nothing) followed by a local full-precision tail.
 //
 //   queries  [n_queries][q_heads][head_dim] float, positions prompt_tokens + tail_visible(i) - 1
-//   output   [n_queries][q_heads][head_dim] float;  lse [n_queries][q_heads] (natural log, optional)
-//   query i sees every prompt token and tail tokens [0, tail_visible(i)),
-//   tail_visible(i) = base + per_query * (i + 1)   (causal verification: per_query = 1)
+//   output   [n_queries][q_heads][head_dim] float;  lse [n_queries][q_heads] (natural log,
+//   optional) query i sees every prompt token and tail tokens [0, tail_visible(i)), tail_visible(i)
+//   = base + per_query * (i + 1)   (causal verification: per_query = 1)
 //
 // Batch invariance: each (query, kv head, split) partial state is a function of
 // that query and its context alone (fixed split size by context position, fixed
@@ -14,9 +14,12 @@
 // order. So a query's output bits do not depend on n_queries, on the thread
 // count, or on which thread computes which split.
 //
+// Every check builds its message only when it fails (`if (!ok) fail(...)`):
+// the functor runs once per layer per decoded token.
+//
 // Usage:
-//   lynx::attention_workspace ws(lynx::attention_problem::of(prompt_view, tail_k, queries, visibility), threads);
-//   lynx::decode_attention<> attn{};                 // default variant
+//   lynx::attention_workspace ws(lynx::attention_problem::of(prompt_view, tail_k, queries,
+//   visibility), threads); lynx::decode_attention<> attn{};                 // default variant
 //   attn(prompt_view, tail_k, tail_v, queries, visibility, output, ws, {.threads = threads});
 #pragma once
 
@@ -150,10 +153,14 @@ namespace detail {
 
 inline void check_tail(const attention_queries& q, std::int64_t kv_heads, const kv_shape& tk, const kv_shape& tv, bool tail_present) {
   if (!tail_present) return;
-  require(tk == tv, errc::shape_mismatch, "attention: tail keys " + to_string(tk) + " and tail values " + to_string(tv) + " differ");
-  require(tk.tokens == 0 || (tk.kv_heads == kv_heads && tk.head_dim == q.head_dim), errc::shape_mismatch,
-          "attention: tail " + to_string(tk) + " does not match kv_heads=" + std::to_string(kv_heads) +
-              " and the queries' head_dim=" + std::to_string(q.head_dim));
+  if (!(tk == tv))
+    detail::fail(errc::shape_mismatch, "attention: tail keys " + to_string(tk) +
+                                           " and tail values " + to_string(tv) + " differ");
+  if (!(tk.tokens == 0 || (tk.kv_heads == kv_heads && tk.head_dim == q.head_dim)))
+    detail::fail(errc::shape_mismatch,
+                 "attention: tail " + to_string(tk) +
+                     " does not match kv_heads=" + std::to_string(kv_heads) +
+                     " and the queries' head_dim=" + std::to_string(q.head_dim));
 }
 
 }  // namespace detail
@@ -202,12 +209,15 @@ class decode_attention {
     const attention_problem p = problem(prompt, tail_keys, q, vis);
     validate(prompt, tail_keys, tail_values, q, vis, out, p);
     const std::size_t need = attention_workspace::bytes_needed(p, options.threads);
-    detail::require(ws.size() >= need, errc::invalid_argument,
-                    "attention: workspace of " + std::to_string(ws.size()) + " bytes, this call needs " + std::to_string(need) +
-                        " (size it with attention_workspace::reserve before the hot loop)");
+    if (!(ws.size() >= need))
+      detail::fail(errc::invalid_argument,
+                   "attention: workspace of " + std::to_string(ws.size()) +
+                       " bytes, this call needs " + std::to_string(need) +
+                       " (size it with attention_workspace::reserve before the hot loop)");
     bool simd = options.path != attention_path::portable && detail::host_has_avx512();
-    if (options.path == attention_path::avx512)
-      detail::require(detail::host_has_avx512(), errc::invalid_argument, "attention: AVX-512 path requested on a CPU without AVX-512F/BW");
+    if (options.path == attention_path::avx512 && !detail::host_has_avx512())
+      detail::fail(errc::invalid_argument,
+                   "attention: AVX-512 path requested on a CPU without AVX-512F/BW");
     if (q.count == 0) return;
 
     if constexpr (std::is_same_v<Prompt, no_prompt>) {
@@ -227,41 +237,60 @@ class decode_attention {
   template <class Prompt, class TailT>
   static void validate(const Prompt& prompt, const kv_view<const TailT, host_space>& tk, const kv_view<const TailT, host_space>& tv,
                        const attention_queries& q, tail_visibility vis, const attention_output& out, const attention_problem& p) {
-    using detail::require;
-    require(q.count >= 0 && q.q_heads >= 1 && q.head_dim >= 1, errc::shape_mismatch,
-            "attention: queries need q_heads >= 1 and head_dim >= 1, got count=" + std::to_string(q.count) +
-                " q_heads=" + std::to_string(q.q_heads) + " head_dim=" + std::to_string(q.head_dim));
-    require(q.count == 0 || (q.data != nullptr && out.data != nullptr), errc::invalid_argument, "attention: null query or output data");
+    if (!(q.count >= 0 && q.q_heads >= 1 && q.head_dim >= 1))
+      detail::fail(errc::shape_mismatch,
+                   "attention: queries need q_heads >= 1 and head_dim >= 1, got count=" +
+                       std::to_string(q.count) + " q_heads=" + std::to_string(q.q_heads) +
+                       " head_dim=" + std::to_string(q.head_dim));
+    if (!(q.count == 0 || (q.data != nullptr && out.data != nullptr)))
+      detail::fail(errc::invalid_argument, "attention: null query or output data");
     if constexpr (requires { prompt.geometry; }) {
-      require(prompt.level >= 1, errc::invalid_argument,
-              "attention: prompt layer " + std::to_string(prompt.layer) + " has no anchor yet (precision level 0)");
-      require(prompt.geometry.head_dim == q.head_dim, errc::shape_mismatch,
-              "attention: queries have head_dim " + std::to_string(q.head_dim) + " but the prompt has head_dim " +
-                  std::to_string(prompt.geometry.head_dim));
+      if (!(prompt.level >= 1))
+        detail::fail(errc::invalid_argument, "attention: prompt layer " +
+                                                 std::to_string(prompt.layer) +
+                                                 " has no anchor yet (precision level 0)");
+      if (!(prompt.geometry.head_dim == q.head_dim))
+        detail::fail(errc::shape_mismatch, "attention: queries have head_dim " +
+                                               std::to_string(q.head_dim) +
+                                               " but the prompt has head_dim " +
+                                               std::to_string(prompt.geometry.head_dim));
     } else if constexpr (!std::is_same_v<Prompt, no_prompt>) {
-      require(prompt.keys.shape == prompt.values.shape, errc::shape_mismatch,
-              "attention: prompt keys " + to_string(prompt.keys.shape) + " and values " + to_string(prompt.values.shape) + " differ");
-      require(prompt.keys.shape.head_dim == q.head_dim, errc::shape_mismatch,
-              "attention: queries have head_dim " + std::to_string(q.head_dim) + " but the prompt has head_dim " +
-                  std::to_string(prompt.keys.shape.head_dim));
+      if (!(prompt.keys.shape == prompt.values.shape))
+        detail::fail(errc::shape_mismatch, "attention: prompt keys " +
+                                               to_string(prompt.keys.shape) + " and values " +
+                                               to_string(prompt.values.shape) + " differ");
+      if (!(prompt.keys.shape.head_dim == q.head_dim))
+        detail::fail(errc::shape_mismatch, "attention: queries have head_dim " +
+                                               std::to_string(q.head_dim) +
+                                               " but the prompt has head_dim " +
+                                               std::to_string(prompt.keys.shape.head_dim));
     }
-    require(q.q_heads % p.kv_heads == 0, errc::shape_mismatch,
-            "attention: q_heads " + std::to_string(q.q_heads) + " is not a multiple of kv_heads " + std::to_string(p.kv_heads));
+    if (!(q.q_heads % p.kv_heads == 0))
+      detail::fail(errc::shape_mismatch, "attention: q_heads " + std::to_string(q.q_heads) +
+                                             " is not a multiple of kv_heads " +
+                                             std::to_string(p.kv_heads));
     const bool tail_used = p.max_tail_visible > 0 || tk.shape.tokens > 0;
     detail::check_tail(q, p.kv_heads, tk.shape, tv.shape, tail_used);
     if (q.count > 0) {
       const std::int64_t lo = std::min(vis(0), vis(q.count - 1));
-      require(lo >= 0 && p.max_tail_visible <= tk.shape.tokens, errc::shape_mismatch,
-              "attention: queries see tail tokens up to " + std::to_string(p.max_tail_visible) + " (and at least " +
-                  std::to_string(lo) + "), the tail holds " + std::to_string(tk.shape.tokens));
-      require(p.prompt_tokens + lo >= 1, errc::invalid_argument, "attention: a query would see no token at all (no prompt, empty tail)");
+      if (!(lo >= 0 && p.max_tail_visible <= tk.shape.tokens))
+        detail::fail(errc::shape_mismatch, "attention: queries see tail tokens up to " +
+                                               std::to_string(p.max_tail_visible) +
+                                               " (and at least " + std::to_string(lo) +
+                                               "), the tail holds " +
+                                               std::to_string(tk.shape.tokens));
+      if (!(p.prompt_tokens + lo >= 1))
+        detail::fail(errc::invalid_argument,
+                     "attention: a query would see no token at all (no prompt, empty tail)");
     }
-    require(!(p.max_tail_visible > 0) || tk.data != nullptr, errc::invalid_argument, "attention: null tail data");
+    if (p.max_tail_visible > 0 && tk.data == nullptr)
+      detail::fail(errc::invalid_argument, "attention: null tail data");
   }
 
   template <class Source, class TailT>
-  void run(const attention_problem& p, const Source* prompt_src, kv_view<const TailT, host_space> tail_keys,
-           kv_view<const TailT, host_space> tail_values, const attention_queries& q, tail_visibility vis, attention_output out,
+  void run(const attention_problem& p, const Source* prompt_src,
+           kv_view<const TailT, host_space> tail_keys, kv_view<const TailT, host_space> tail_values,
+           const attention_queries& q, tail_visibility vis, attention_output out,
            attention_workspace& ws, const attention_options& options, bool simd) const {
     const int D = static_cast<int>(p.head_dim);
     const int heads = static_cast<int>(p.group_heads());

@@ -480,7 +480,7 @@ inline bool host_has_gfni() {
 /// tile[c][32] receives float(prefix << (decoded_bits - P)), decoded_bits = 8 or 16.
 /// `channels` (1..16) of the 16 are read (head_dims that are not multiples of 16):
 /// the others transpose as zero words and their codes are never used.
-LYNX_ATTENTION_GFNI_TARGET inline void transpose_planes_gfni(const std::uint32_t* const* rows, int first, int count, int c0, int channels,
+LYNX_ATTENTION_GFNI_TARGET __attribute__((always_inline)) inline void transpose_planes_gfni(const std::uint32_t* const* rows, int first, int count, int c0, int channels,
                                                              __m512i out[2][2][2]) {
   __m512i wv[8];
   const __mmask16 live = channels >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << channels) - 1u);

@@ -165,7 +165,12 @@ void encode_into(kv_view<const T, host_space> keys, kv_view<const T, host_space>
         scratch.size_for(g);
         for (std::int64_t i = i0; i < i1; ++i) {
           const std::int64_t h = i % g.kv_heads, u0 = (i / g.kv_heads) * unit, u1 = std::min<std::int64_t>(u0 + unit, g.tokens);
-          if (i + 2 * g.kv_heads < i1) detail::simd::prefetch_rows(keys, values, h, std::min<std::int64_t>(u1 + unit, g.tokens), std::min<std::int64_t>(u1 + 2 * unit, g.tokens));
+          detail::simd::next_rows<T> next{&keys, &values};
+          if (i + 1 < i1) {
+            next.h = (i + 1) % g.kv_heads;
+            next.t0 = ((i + 1) / g.kv_heads) * unit;
+            next.t1 = std::min<std::int64_t>(next.t0 + unit, g.tokens);
+          }
           auto plane_row = [&](const std::array<std::uint32_t*, max_streams>& words) {
             return [&, h](std::int64_t b, int j) {
               const int s = plane_stream[static_cast<std::size_t>(j)];
@@ -174,7 +179,7 @@ void encode_into(kv_view<const T, host_space> keys, kv_view<const T, host_space>
           };
           detail::simd::encode_unit<B, T>(keys, values, g, h, u0, u1, key_scale + h * key_params_per_head, key_zero + h * key_params_per_head,
                                           value_scale + h * value_params_per_head, value_zero + h * value_params_per_head,
-                                          plane_row(key_words), plane_row(value_words), scratch);
+                                          plane_row(key_words), plane_row(value_words), next, scratch);
         }
       });
     } catch (const detail::simd::needs_portable_path&) {

@@ -250,17 +250,24 @@ bool encode_supported(const kv_view<const T, host_space>& keys, const kv_view<co
 /// Tokens of one work unit: whole blocks and whole key groups.
 inline std::int64_t unit_tokens(const layer_geometry& g) { return std::max<std::int64_t>(g.key_group, tokens_per_word); }
 
-/// Asks for the K and V rows of head h, tokens [t0, t1), to be brought into L2.
+/// The K and V rows of the next work item (head h, tokens [t0, t1)), asked into L1
+/// a row at a time while the current item is encoded: rows of one head are 2 KB
+/// apart in a token-major cache, a pattern the hardware prefetchers do not follow.
 template <class T>
-void prefetch_rows(const kv_view<const T, host_space>& keys, const kv_view<const T, host_space>& values, std::int64_t h, std::int64_t t0,
-                   std::int64_t t1) {
-  const std::int64_t bytes = keys.shape.head_dim * static_cast<std::int64_t>(sizeof(T));
-  for (std::int64_t t = t0; t < t1; ++t)
-    for (std::int64_t o = 0; o < bytes; o += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(&keys(t, h, 0)) + o, _MM_HINT_T1);
-      _mm_prefetch(reinterpret_cast<const char*>(&values(t, h, 0)) + o, _MM_HINT_T1);
-    }
-}
+struct next_rows {
+  const kv_view<const T, host_space>* keys = nullptr;
+  const kv_view<const T, host_space>* values = nullptr;
+  std::int64_t h = 0, t0 = 0, t1 = 0;  // t1 == t0: no next item
+  static void prefetch_row(const T* row, std::int64_t bytes) {
+    for (std::int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(row) + o, _MM_HINT_T0);
+  }
+  LYNX_ALWAYS_INLINE void prefetch_key_row(std::int64_t i) const {
+    if (t0 + i < t1) prefetch_row(&(*keys)(t0 + i, h, 0), keys->shape.head_dim * static_cast<std::int64_t>(sizeof(T)));
+  }
+  LYNX_ALWAYS_INLINE void prefetch_value_row(std::int64_t i) const {
+    if (t0 + i < t1) prefetch_row(&(*values)(t0 + i, h, 0), values->shape.head_dim * static_cast<std::int64_t>(sizeof(T)));
+  }
+};
 
 /// Per-thread scratch of the encoder.
 struct encode_scratch {
@@ -318,29 +325,43 @@ inline void pack_stage(const __m512i* stage, std::int64_t D, int first, int coun
 template <int Bits, class T, class KeyPlanes, class ValuePlanes>
 void encode_unit(const kv_view<const T, host_space>& keys, const kv_view<const T, host_space>& values, const layer_geometry& g,
                  std::int64_t h, std::int64_t u0, std::int64_t u1, float* key_scale_head, float* key_zero_head, float* value_scale_head,
-                 float* value_zero_head, KeyPlanes&& key_planes, ValuePlanes&& value_planes, encode_scratch& s) {
+                 float* value_zero_head, KeyPlanes&& key_planes, ValuePlanes&& value_planes, const next_rows<T>& next,
+                 encode_scratch& s) {
   const std::int64_t D = g.head_dim, chunks = D / 16, KG = g.key_group;
   __m512 non_finite = _mm512_setzero_ps();
   __mmask16 bad = 0;
 
   // Key parameters, per channel over each key group of the unit (token order as the
-  // portable loop: l = v < l ? v : l from the group's first token).
+  // portable loop: l = v < l ? v : l from the group's first token). Row by row, up to
+  // 8 chunks (128 channels) of accumulators in registers: each token row is read
+  // once, front to back. The rows of the next item are prefetched meanwhile.
   const std::int64_t grp0 = u0 / KG;
   for (std::int64_t grp = grp0; grp * KG < u1; ++grp) {
     const std::int64_t t0 = grp * KG, t1 = std::min<std::int64_t>(t0 + KG, g.tokens);
-    for (std::int64_t q = 0; q < chunks; ++q) {
-      __m512 lo = load16(&keys(t0, h, 16 * q)), hi = lo;
+    for (std::int64_t q0 = 0; q0 < chunks; q0 += 8) {
+      const int nq = static_cast<int>(std::min<std::int64_t>(8, chunks - q0));
+      __m512 lo[8], hi[8];
+      for (int k = 0; k < 8; ++k)
+        if (k < nq) lo[k] = hi[k] = load16(&keys(t0, h, 16 * (q0 + k)));
       for (std::int64_t t = t0; t < t1; ++t) {
-        const __m512 v = load16(&keys(t, h, 16 * q));
-        non_finite = track_non_finite(non_finite, v);
-        lo = _mm512_min_ps(v, lo);
-        hi = _mm512_max_ps(v, hi);
+        if (q0 == 0) next.prefetch_key_row(t - u0);
+        const T* row = &keys(t, h, 16 * q0);
+        for (int k = 0; k < 8; ++k)
+          if (k < nq) {
+            const __m512 v = load16(row + 16 * k);
+            non_finite = track_non_finite(non_finite, v);
+            lo[k] = _mm512_min_ps(v, lo[k]);
+            hi[k] = _mm512_max_ps(v, hi[k]);
+          }
       }
-      __m512 scale, inv;
-      group_params16<Bits>(lo, hi, scale, inv, bad);
-      _mm512_storeu_ps(key_scale_head + grp * D + 16 * q, scale);
-      _mm512_storeu_ps(key_zero_head + grp * D + 16 * q, lo);
-      _mm512_storeu_ps(s.key_inv.data() + (grp - grp0) * D + 16 * q, inv);
+      for (int k = 0; k < nq; ++k) {
+        const std::int64_t q = q0 + k;
+        __m512 scale, inv;
+        group_params16<Bits>(lo[k], hi[k], scale, inv, bad);
+        _mm512_storeu_ps(key_scale_head + grp * D + 16 * q, scale);
+        _mm512_storeu_ps(key_zero_head + grp * D + 16 * q, lo[k]);
+        _mm512_storeu_ps(s.key_inv.data() + (grp - grp0) * D + 16 * q, inv);
+      }
     }
   }
   if (bad || _mm512_cmp_ps_mask(non_finite, non_finite, _CMP_UNORD_Q)) throw needs_portable_path{};
@@ -351,14 +372,22 @@ void encode_unit(const kv_view<const T, host_space>& keys, const kv_view<const T
     const std::int64_t b = t0 / tokens_per_word, n = std::min<std::int64_t>(tokens_per_word, g.tokens - t0);
     // Keys: codes of 4 tokens at a time per chunk; tokens past n are code 0.
     for (std::int64_t t = 0; t < tokens_per_word; t += 4) {
+      // Parameter rows of the 4 tokens' key groups (divisions out of the chunk loop).
+      const float* inv_row[4];
+      const float* zero_row[4];
+      const T* key_row[4];
+      for (int k = 0; k < 4; ++k) {
+        const std::int64_t tok = std::min(t0 + t + k, g.tokens - 1);
+        inv_row[k] = s.key_inv.data() + (tok / KG - grp0) * D;
+        zero_row[k] = key_zero_head + (tok / KG) * D;
+        key_row[k] = &keys(tok, h, 0);
+      }
       for (std::int64_t q = 0; q < chunks; ++q) {
         __m512i c[4];
         for (int k = 0; k < 4; ++k) {
           if (t + k < n) {
-            const std::int64_t tok = t0 + t + k;
-            const float* inv = s.key_inv.data() + (tok / KG - grp0) * D + 16 * q;
-            const float* zero = key_zero_head + (tok / KG) * D + 16 * q;
-            c[k] = quantize16<Bits>(load16(&keys(tok, h, 16 * q)), _mm512_loadu_ps(zero), _mm512_loadu_ps(inv));
+            c[k] = quantize16<Bits>(load16(key_row[k] + 16 * q), _mm512_loadu_ps(zero_row[k] + 16 * q),
+                                    _mm512_loadu_ps(inv_row[k] + 16 * q));
           } else {
             c[k] = _mm512_setzero_si512();
           }
@@ -371,15 +400,19 @@ void encode_unit(const kv_view<const T, host_space>& keys, const kv_view<const T
     if constexpr (Bits > 8) pack_stage(s.stage_lo, D, 8, Bits - 8, rows);
 
     // Value parameters: per token over groups of VG channels, 16 groups at a time.
+    for (std::int64_t t = 0; t < tokens_per_word; ++t) next.prefetch_value_row(t0 - u0 + t);
     const std::int64_t groups = n * VGs;
     float* vscale = value_scale_head + t0 * VGs;
     float* vzero = value_zero_head + t0 * VGs;
     for (std::int64_t f0 = 0; f0 < groups; f0 += 16) {
       __m512 lo[16], hi[16];
       const int batch = static_cast<int>(std::min<std::int64_t>(16, groups - f0));
+      // Group f = f0 + k is (token f / VGs, channels from (f % VGs) * VG), stepped
+      // without divisions; past the batch the last group repeats.
+      std::int64_t f_tok = f0 / VGs, f_grp = f0 % VGs;
       for (int k = 0; k < 16; ++k) {
-        const std::int64_t f = f0 + std::min(k, batch - 1);
-        const std::int64_t tok = t0 + f / VGs, c0 = (f % VGs) * VG;
+        const std::int64_t tok = t0 + f_tok, c0 = f_grp * VG;
+        if (k + 1 < batch && ++f_grp == VGs) f_grp = 0, ++f_tok;
         __m512 l = load16(&values(tok, h, c0)), u = l;
         non_finite = track_non_finite(non_finite, l);
         for (std::int64_t i = 1; i < per_group; ++i) {
@@ -427,11 +460,13 @@ void encode_unit(const kv_view<const T, host_space>& keys, const kv_view<const T
 
     // Value codes.
     for (std::int64_t t = 0; t < tokens_per_word; t += 4) {
-      for (std::int64_t q = 0; q < chunks; ++q) {
+      for (std::int64_t q = 0, grp = 0, in_group = 0; q < chunks; ++q) {
         __m512i c[4];
+        const std::int64_t group_of_q = grp;
+        if (++in_group == per_group) in_group = 0, ++grp;
         for (int k = 0; k < 4; ++k) {
           if (t + k < n) {
-            const std::int64_t f = (t + k) * VGs + (16 * q) / VG;
+            const std::int64_t f = (t + k) * VGs + group_of_q;
             c[k] = quantize16<Bits>(load16(&values(t0 + t + k, h, 16 * q)), _mm512_set1_ps(s.value_zero[static_cast<std::size_t>(f)]),
                                     _mm512_set1_ps(s.value_inv[static_cast<std::size_t>(f)]));
           } else {
@@ -457,11 +492,14 @@ bool reconstruct_supported(const kv_view<T, host_space>& keys_out, const kv_view
 
 // Code bytes of one block from plane words: planes [first, first + count) of
 // plane_rows, as rows stage[q * 8 + t/4] byte 16*(t%4) + c.
-inline void unpack_stage(const std::uint32_t* const* plane_rows, int first, int count, std::int64_t D, __m512i* stage) {
+// With at > 0 the planes go to bits [at, at + count) from the top of each byte
+// instead (at = 8 - count: the byte is the prefix itself).
+inline void unpack_stage(const std::uint32_t* const* plane_rows, int first, int count, std::int64_t D, __m512i* stage, int at = 0) {
   const __m512i transpose = _mm512_set1_epi64(tokens_of_planes);
   for (std::int64_t q = 0; q < D / 16; ++q) {
     __m512i v[8];
-    for (int j = 0; j < 8; ++j) v[j] = j < count ? _mm512_loadu_si512(plane_rows[first + j] + 16 * q) : _mm512_setzero_si512();
+    for (int j = 0; j < 8; ++j)
+      v[j] = j >= at && j < at + count ? _mm512_loadu_si512(plane_rows[first + j - at] + 16 * q) : _mm512_setzero_si512();
     run_network(unpack_gather, v);
     for (int i = 0; i < 8; ++i) v[i] = _mm512_gf2p8affine_epi64_epi8(transpose, v[i], 0);
     run_network(unpack_scatter, v);
@@ -483,6 +521,70 @@ LYNX_ALWAYS_INLINE __m512i staged_codes(const __m512i* hi, const __m512i* lo, st
   }
 }
 
+#if defined(__AVX512BF16__)
+// float_to_bf16_bits of 32 floats at once: vcvtne2ps2bf16 rounds to nearest even
+// like the portable code but reads denormals as zero (and NaN is left to the
+// portable bits too): vectors holding either take store16.
+LYNX_ALWAYS_INLINE void store32_bf16(bf16* p, __m512 lo, __m512 hi) {
+  constexpr int nan_or_denormal = 0x01 | 0x20 | 0x80;  // QNaN | denormal | SNaN
+  if (_mm512_fpclass_ps_mask(lo, nan_or_denormal) | _mm512_fpclass_ps_mask(hi, nan_or_denormal)) {
+    store16(p, lo);
+    store16(p + 16, hi);
+    return;
+  }
+  _mm512_storeu_si512(p, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
+}
+#endif
+
+/// Writes one output row (D elements) from x(q), the 16 floats of chunk q.
+template <class T, class Row>
+LYNX_ALWAYS_INLINE void store_row(T* out, std::int64_t chunks, Row&& x) {
+  std::int64_t q = 0;
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, bf16>)
+    for (; q + 2 <= chunks; q += 2) store32_bf16(out + 16 * q, x(q), x(q + 1));
+#endif
+  for (; q < chunks; ++q) store16(out + 16 * q, x(q));
+}
+
+// Rows of one block from its staged codes. Lut: the bytes of stage_hi are the
+// prefixes themselves (P <= 4) and the level float(prefix << (B-P)) + half comes
+// from a 16-entry table, the same float the portable expression gives.
+template <int Bits, bool Lut, class T>
+void reconstruct_rows(const layer_geometry& g, std::int64_t h, std::int64_t t0, std::int64_t n, bool keys, __m512 half_v, __m512 lut,
+                      const float* key_scale, const float* key_zero, const float* value_scale, const float* value_zero,
+                      const kv_view<T, host_space>& keys_out, const kv_view<T, host_space>& values_out, const __m512i* stage_hi,
+                      const __m512i* stage_lo) {
+  const std::int64_t D = g.head_dim, chunks = D / 16;
+  auto level = [&](std::int64_t q, std::int64_t t) {
+    if constexpr (Lut) {
+      const auto* hb = reinterpret_cast<const __m128i*>(stage_hi + q * 8 + t / 4) + t % 4;
+      return _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_load_si128(hb)), lut);
+    } else {
+      return _mm512_add_ps(_mm512_cvtepi32_ps(staged_codes<Bits>(stage_hi, stage_lo, q, t)), half_v);
+    }
+  };
+  // Value group of each chunk (no division in the row loop).
+  std::int32_t group_of_chunk[64];
+  const bool small = chunks <= 64;
+  if (!keys && small)
+    for (std::int64_t q = 0; q < chunks; ++q) group_of_chunk[q] = static_cast<std::int32_t>((16 * q) / g.value_group);
+  for (std::int64_t t = 0; t < n; ++t) {
+    if (keys) {
+      const std::int64_t base = (h * g.key_token_groups() + (t0 + t) / g.key_group) * D;
+      store_row(&keys_out(t0 + t, h, 0), chunks, [&](std::int64_t q) {
+        return _mm512_fmadd_ps(_mm512_loadu_ps(key_scale + base + 16 * q), level(q, t), _mm512_loadu_ps(key_zero + base + 16 * q));
+      });
+    } else {
+      const std::int64_t base = (h * g.tokens + t0 + t) * g.value_channel_groups();
+      store_row(&values_out(t0 + t, h, 0), chunks, [&](std::int64_t q) {
+        const std::int64_t grp = small ? group_of_chunk[q] : (16 * q) / g.value_group;
+        return _mm512_fmadd_ps(_mm512_set1_ps(value_scale[base + grp]), level(q, t), _mm512_set1_ps(value_zero[base + grp]));
+      });
+    }
+  }
+}
+
 /// Reconstructs block b of head h (K and V) at P planes.
 template <int Bits, class T, class Rows>
 void reconstruct_block(const layer_geometry& g, std::int64_t h, std::int64_t b, int P, float half, const float* key_scale,
@@ -491,31 +593,24 @@ void reconstruct_block(const layer_geometry& g, std::int64_t h, std::int64_t b, 
   const std::int64_t D = g.head_dim, chunks = D / 16, T_ = g.tokens;
   const std::int64_t t0 = b * tokens_per_word, n = std::min<std::int64_t>(tokens_per_word, T_ - t0);
   const __m512 half_v = _mm512_set1_ps(half);
+  const bool lut_path = P <= 4;
+  alignas(64) float lut_levels[16];
+  for (int i = 0; i < 16; ++i) lut_levels[i] = lut_path ? static_cast<float>(static_cast<std::uint32_t>(i) << (Bits - P)) + half : 0.0f;
+  const __m512 lut = _mm512_load_ps(lut_levels);
   const std::uint32_t* rows[16];
   for (int which = 0; which < 2; ++which) {
     plane_rows(which == 0, rows);
+    if (lut_path) {
+      unpack_stage(rows, 0, P, D, stage_hi, 8 - P);
+      reconstruct_rows<Bits, true, T>(g, h, t0, n, which == 0, half_v, lut, key_scale, key_zero, value_scale, value_zero, keys_out,
+                                      values_out, stage_hi, stage_lo);
+      continue;
+    }
     unpack_stage(rows, 0, std::min(P, 8), D, stage_hi);
     if (Bits > 8 && P > 8) unpack_stage(rows, 8, P - 8, D, stage_lo);
     else if (Bits > 8) std::fill(stage_lo, stage_lo + chunks * 8, _mm512_setzero_si512());
-    for (std::int64_t t = 0; t < n; ++t) {
-      if (which == 0) {
-        const std::int64_t base = (h * g.key_token_groups() + (t0 + t) / g.key_group) * D;
-        T* out = &keys_out(t0 + t, h, 0);
-        for (std::int64_t q = 0; q < chunks; ++q) {
-          const __m512 level = _mm512_add_ps(_mm512_cvtepi32_ps(staged_codes<Bits>(stage_hi, stage_lo, q, t)), half_v);
-          store16(out + 16 * q,
-                  _mm512_fmadd_ps(_mm512_loadu_ps(key_scale + base + 16 * q), level, _mm512_loadu_ps(key_zero + base + 16 * q)));
-        }
-      } else {
-        const std::int64_t base = (h * T_ + t0 + t) * g.value_channel_groups();
-        T* out = &values_out(t0 + t, h, 0);
-        for (std::int64_t q = 0; q < chunks; ++q) {
-          const std::int64_t grp = (16 * q) / g.value_group;
-          const __m512 level = _mm512_add_ps(_mm512_cvtepi32_ps(staged_codes<Bits>(stage_hi, stage_lo, q, t)), half_v);
-          store16(out + 16 * q, _mm512_fmadd_ps(_mm512_set1_ps(value_scale[base + grp]), level, _mm512_set1_ps(value_zero[base + grp])));
-        }
-      }
-    }
+    reconstruct_rows<Bits, false, T>(g, h, t0, n, which == 0, half_v, lut, key_scale, key_zero, value_scale, value_zero, keys_out,
+                                     values_out, stage_hi, stage_lo);
   }
 }
 

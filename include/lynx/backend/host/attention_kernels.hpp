@@ -858,6 +858,22 @@ LYNX_ATTENTION_AVX512_TARGET inline __m512i fold16_token_order_avx512() {
   return _mm512_load_si512(idx);
 }
 
+/// Scores of one head against 16 converted key rows [16][16 NV] (NV = head_dim / 16
+/// known at compile time): the query stays in registers and the 16 tokens' chains
+/// interleave; each token's 16 lanes accumulate in channel order as in dense_score.
+template <int NV>
+LYNX_ATTENTION_AVX512_TARGET inline void score_dense_block_avx512(const float* rows, const float* qh, __m512i perm, float* out) {
+  __m512 qv[NV];
+  for (int k = 0; k < NV; ++k) qv[k] = _mm512_loadu_ps(qh + 16 * k);
+  __m512 v[16];
+  for (int i = 0; i < 16; ++i) {
+    __m512 a = _mm512_setzero_ps();
+    for (int k = 0; k < NV; ++k) a = _mm512_fmadd_ps(qv[k], _mm512_load_ps(rows + (i * NV + k) * 16), a);
+    v[i] = a;
+  }
+  _mm512_storeu_ps(out, _mm512_permutexvar_ps(perm, fold16_avx512(v)));
+}
+
 template <class T>
 LYNX_ATTENTION_AVX512_TARGET void score_tokens_avx512(const dense_kv_source<T>& src, std::int64_t kv_head, const float* q, int heads,
                                             std::int64_t t0, std::int64_t t1, const split_scratch& w) {
@@ -875,6 +891,14 @@ LYNX_ATTENTION_AVX512_TARGET void score_tokens_avx512(const dense_kv_source<T>& 
       for (int c = 0; c < D; c += 16) _mm512_store_ps(rows + i * D + c, load16_avx512(k + c));
     }
     for (int h = 0; h < heads; ++h) {
+      float* out = w.scores + h * attention_split_tokens + (t - t0);
+      switch (D) {
+        case 16: score_dense_block_avx512<1>(rows, q + h * D, perm, out); continue;
+        case 32: score_dense_block_avx512<2>(rows, q + h * D, perm, out); continue;
+        case 64: score_dense_block_avx512<4>(rows, q + h * D, perm, out); continue;
+        case 128: score_dense_block_avx512<8>(rows, q + h * D, perm, out); continue;
+        default: break;
+      }
       __m512 v[16];
       const float* qh = q + h * D;
       for (int i = 0; i < 16; ++i) {

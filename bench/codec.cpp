@@ -198,9 +198,10 @@ void bm_reconstruct(benchmark::State& state) {
   lynx::host_bitplane_tensor<Plan, 32> tensor(s, 0);
   for (int st = 0; st < Plan::streams; ++st) tensor.accept(encoded.segment(st));
   const auto view = tensor.view_at(Level);
-  std::vector<lynx::bf16> keys_out(in.keys.size()), values_out(in.values.size());
-  const auto keys = lynx::token_major(keys_out.data(), s);
-  const auto values = lynx::token_major(values_out.data(), s);
+  // Outputs 64-byte aligned, as an engine's cache pages are (and as memcpy's destination).
+  lynx::aligned_buffer keys_out(in.keys.size() * sizeof(lynx::bf16)), values_out(in.values.size() * sizeof(lynx::bf16));
+  const auto keys = lynx::token_major(reinterpret_cast<lynx::bf16*>(keys_out.data()), s);
+  const auto values = lynx::token_major(reinterpret_cast<lynx::bf16*>(values_out.data()), s);
   const lynx::reconstruct_options options{threads};
   const double seconds = timed_loop(state, [&] {
     lynx::reconstruct(view, keys, values, options);

@@ -374,6 +374,7 @@ void reconstruct(const bitplane_view<Plan, G, host_space>& v, kv_view<T, host_sp
             [&](bool keys, const std::uint32_t** rows) { detail::block_plane_rows(v, keys, h, b, P, rows); }, keys_out, values_out,
             stage_hi, stage_hi + D / 16 * 8);
       }
+      _mm_sfence();  // order any non-temporal stores of the rows before the join
     });
     return;
   }

@@ -409,10 +409,9 @@ void encode_unit(const kv_view<const T, host_space>& keys, const kv_view<const T
       const int batch = static_cast<int>(std::min<std::int64_t>(16, groups - f0));
       // Group f = f0 + k is (token f / VGs, channels from (f % VGs) * VG), stepped
       // without divisions; past the batch the last group repeats.
-      std::int64_t f_tok = f0 / VGs, f_grp = f0 % VGs;
       for (int k = 0; k < 16; ++k) {
-        const std::int64_t tok = t0 + f_tok, c0 = f_grp * VG;
-        if (k + 1 < batch && ++f_grp == VGs) f_grp = 0, ++f_tok;
+        const std::int64_t f = f0 + std::min(k, batch - 1);
+        const std::int64_t tok = t0 + f / VGs, c0 = (f % VGs) * VG;
         __m512 l = load16(&values(tok, h, c0)), u = l;
         non_finite = track_non_finite(non_finite, l);
         for (std::int64_t i = 1; i < per_group; ++i) {
@@ -525,25 +524,43 @@ LYNX_ALWAYS_INLINE __m512i staged_codes(const __m512i* hi, const __m512i* lo, st
 // float_to_bf16_bits of 32 floats at once: vcvtne2ps2bf16 rounds to nearest even
 // like the portable code but reads denormals as zero (and NaN is left to the
 // portable bits too): vectors holding either take store16.
-LYNX_ALWAYS_INLINE void store32_bf16(bf16* p, __m512 lo, __m512 hi) {
+LYNX_ALWAYS_INLINE void store32_bf16(bf16* p, __m512 lo, __m512 hi, bool stream) {
   constexpr int nan_or_denormal = 0x01 | 0x20 | 0x80;  // QNaN | denormal | SNaN
   if (_mm512_fpclass_ps_mask(lo, nan_or_denormal) | _mm512_fpclass_ps_mask(hi, nan_or_denormal)) {
     store16(p, lo);
     store16(p + 16, hi);
     return;
   }
-  _mm512_storeu_si512(p, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
+  const __m512i r = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));
+  if (stream) _mm512_stream_si512(reinterpret_cast<__m512i*>(p), r);
+  else _mm512_storeu_si512(p, r);
 }
 #endif
 
+/// Outputs at least this large are written with non-temporal stores (where a
+/// 64-byte store is aligned): they would not stay in cache anyway, and
+/// streaming saves reading every output line before it is overwritten.
+#ifndef LYNX_STREAM_MIN_BYTES
+#define LYNX_STREAM_MIN_BYTES (std::int64_t{16} << 20)
+#endif
+inline constexpr std::int64_t stream_store_min_bytes = LYNX_STREAM_MIN_BYTES;
+
 /// Writes one output row (D elements) from x(q), the 16 floats of chunk q.
 template <class T, class Row>
-LYNX_ALWAYS_INLINE void store_row(T* out, std::int64_t chunks, Row&& x) {
+LYNX_ALWAYS_INLINE void store_row(T* out, std::int64_t chunks, bool stream, Row&& x) {
   std::int64_t q = 0;
 #if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<T, bf16>)
-    for (; q + 2 <= chunks; q += 2) store32_bf16(out + 16 * q, x(q), x(q + 1));
+  if constexpr (std::is_same_v<T, bf16>) {
+    const bool aligned = stream && (reinterpret_cast<std::uintptr_t>(out) & 63) == 0;
+    for (; q + 2 <= chunks; q += 2) store32_bf16(out + 16 * q, x(q), x(q + 1), aligned);
+  }
 #endif
+  if constexpr (std::is_same_v<T, float>) {
+    if (stream && (reinterpret_cast<std::uintptr_t>(out) & 63) == 0) {
+      for (; q < chunks; ++q) _mm512_stream_ps(out + 16 * q, x(q));
+      return;
+    }
+  }
   for (; q < chunks; ++q) store16(out + 16 * q, x(q));
 }
 
@@ -551,7 +568,8 @@ LYNX_ALWAYS_INLINE void store_row(T* out, std::int64_t chunks, Row&& x) {
 // prefixes themselves (P <= 4) and the level float(prefix << (B-P)) + half comes
 // from a 16-entry table, the same float the portable expression gives.
 template <int Bits, bool Lut, class T>
-void reconstruct_rows(const layer_geometry& g, std::int64_t h, std::int64_t t0, std::int64_t n, bool keys, __m512 half_v, __m512 lut,
+void reconstruct_rows(const layer_geometry& g, std::int64_t h, std::int64_t t0, std::int64_t n, bool keys, bool stream, __m512 half_v,
+                      __m512 lut,
                       const float* key_scale, const float* key_zero, const float* value_scale, const float* value_zero,
                       const kv_view<T, host_space>& keys_out, const kv_view<T, host_space>& values_out, const __m512i* stage_hi,
                       const __m512i* stage_lo) {
@@ -572,12 +590,12 @@ void reconstruct_rows(const layer_geometry& g, std::int64_t h, std::int64_t t0, 
   for (std::int64_t t = 0; t < n; ++t) {
     if (keys) {
       const std::int64_t base = (h * g.key_token_groups() + (t0 + t) / g.key_group) * D;
-      store_row(&keys_out(t0 + t, h, 0), chunks, [&](std::int64_t q) {
+      store_row(&keys_out(t0 + t, h, 0), chunks, stream, [&](std::int64_t q) {
         return _mm512_fmadd_ps(_mm512_loadu_ps(key_scale + base + 16 * q), level(q, t), _mm512_loadu_ps(key_zero + base + 16 * q));
       });
     } else {
       const std::int64_t base = (h * g.tokens + t0 + t) * g.value_channel_groups();
-      store_row(&values_out(t0 + t, h, 0), chunks, [&](std::int64_t q) {
+      store_row(&values_out(t0 + t, h, 0), chunks, stream, [&](std::int64_t q) {
         const std::int64_t grp = small ? group_of_chunk[q] : (16 * q) / g.value_group;
         return _mm512_fmadd_ps(_mm512_set1_ps(value_scale[base + grp]), level(q, t), _mm512_set1_ps(value_zero[base + grp]));
       });
@@ -594,6 +612,7 @@ void reconstruct_block(const layer_geometry& g, std::int64_t h, std::int64_t b, 
   const std::int64_t t0 = b * tokens_per_word, n = std::min<std::int64_t>(tokens_per_word, T_ - t0);
   const __m512 half_v = _mm512_set1_ps(half);
   const bool lut_path = P <= 4;
+  const bool stream = 2 * g.tokens * g.kv_heads * D * static_cast<std::int64_t>(sizeof(T)) >= stream_store_min_bytes;
   alignas(64) float lut_levels[16];
   for (int i = 0; i < 16; ++i) lut_levels[i] = lut_path ? static_cast<float>(static_cast<std::uint32_t>(i) << (Bits - P)) + half : 0.0f;
   const __m512 lut = _mm512_load_ps(lut_levels);
@@ -602,14 +621,14 @@ void reconstruct_block(const layer_geometry& g, std::int64_t h, std::int64_t b, 
     plane_rows(which == 0, rows);
     if (lut_path) {
       unpack_stage(rows, 0, P, D, stage_hi, 8 - P);
-      reconstruct_rows<Bits, true, T>(g, h, t0, n, which == 0, half_v, lut, key_scale, key_zero, value_scale, value_zero, keys_out,
+      reconstruct_rows<Bits, true, T>(g, h, t0, n, which == 0, stream, half_v, lut, key_scale, key_zero, value_scale, value_zero, keys_out,
                                       values_out, stage_hi, stage_lo);
       continue;
     }
     unpack_stage(rows, 0, std::min(P, 8), D, stage_hi);
     if (Bits > 8 && P > 8) unpack_stage(rows, 8, P - 8, D, stage_lo);
     else if (Bits > 8) std::fill(stage_lo, stage_lo + chunks * 8, _mm512_setzero_si512());
-    reconstruct_rows<Bits, false, T>(g, h, t0, n, which == 0, half_v, lut, key_scale, key_zero, value_scale, value_zero, keys_out,
+    reconstruct_rows<Bits, false, T>(g, h, t0, n, which == 0, stream, half_v, lut, key_scale, key_zero, value_scale, value_zero, keys_out,
                                      values_out, stage_hi, stage_lo);
   }
 }

@@ -598,47 +598,65 @@ LYNX_ATTENTION_GFNI_TARGET inline void score_block_fused_gfni(const std::uint32_
   }
 }
 
-/// Adds one value block to the lanes of HC heads, decoding 16 channels at a time
-/// in registers: lane l of (h, c) gains w[h][grp(c)][l] * code(l, c), then
-/// w[h][grp(c)][16 + l] * code(16 + l, c), as add_value_blocks_avx512 does.
-/// Any head_dim and value group size (the group's weights reload when it changes).
+/// Lane update of one decoded value channel for HC heads: lane l of (h, c) gains
+/// w[h][grp(c)][l] * code(l, c), then w[h][grp(c)][16 + l] * code(16 + l, c). The
+/// group's weights (times 2^-shift) stay in registers until the channel leaves it.
 template <int HC>
-LYNX_ATTENTION_GFNI_TARGET inline void add_value_block_fused_gfni(const std::uint32_t* const* rows, int planes, int D, std::int64_t VG,
-                                                                  const float* weights /*[HC][groups][S], at this block*/,
-                                                                  std::int64_t groups, __m512 unscale, float* lanes /*[HC][D][16]*/) {
+struct value_channel_accumulate {
+  const float* weights;  // [HC][groups][S], at this block's first token
+  std::int64_t VG, groups;
+  __m512 unscale;
+  float* lanes;  // [HC][D][16]
+  int D, c0;
+  std::int64_t* group_end;  // first channel past the group whose weights wv holds
+  __m512 (*wv)[2];
+  LYNX_ATTENTION_GFNI_INLINE void operator()(int i, const __m512* k) const {
+    const int c = c0 + i;
+    if (c >= *group_end) {  // channels come in order: a new group starts here (no division per channel)
+      const std::int64_t grp = c / VG;
+      for (int h = 0; h < HC; ++h)
+        for (int j = 0; j < 2; ++j)
+          wv[h][j] = _mm512_mul_ps(_mm512_loadu_ps(weights + (h * groups + grp) * attention_split_tokens + 16 * j), unscale);
+      *group_end = (grp + 1) * VG;
+    }
+    for (int h = 0; h < HC; ++h) {
+      float* lane = lanes + (static_cast<std::int64_t>(h) * D + c) * 16;
+      __m512 x = _mm512_load_ps(lane);
+      x = _mm512_fmadd_ps(wv[h][0], k[0], x);
+      x = _mm512_fmadd_ps(wv[h][1], k[1], x);
+      _mm512_store_ps(lane, x);
+    }
+  }
+};
+
+/// Adds `nblocks` consecutive value blocks to the lanes of HC heads, chunk of 16
+/// channels outermost: the lanes of one chunk (HC x 16 x 64 B) stay in L1 while
+/// the blocks stream by, instead of all HC x D lanes (32 KiB at 4 heads x 128
+/// channels) cycling through L1 once per block. Every lane still gains its blocks
+/// in token order, so the sums are the same as block by block.
+/// rows0[j]: plane j's words of the first block; stride[j]: words from one block to the next.
+template <int HC>
+LYNX_ATTENTION_GFNI_TARGET inline void add_value_span_fused_gfni(const std::uint32_t* const* rows0, const std::int64_t* stride,
+                                                                 std::int64_t nblocks, int planes, int D, std::int64_t VG,
+                                                                 const float* weights /*[HC][groups][S], at the first block*/,
+                                                                 std::int64_t groups, __m512 unscale, float* lanes /*[HC][D][16]*/) {
   __m512i zext[4];
   token_byte_zext_gfni(zext);
-  struct accumulate {
-    const float* weights;
-    std::int64_t VG, groups;
-    __m512 unscale;
-    float* lanes;
-    int D, c0;
-    std::int64_t* group_end;  // first channel past the group whose weights wv holds
-    __m512 (*wv)[2];
-    LYNX_ATTENTION_GFNI_INLINE void operator()(int i, const __m512* k) const {
-      const int c = c0 + i;
-      if (c >= *group_end) {  // channels come in order: a new group starts here (no division per channel)
-        const std::int64_t grp = c / VG;
-        for (int h = 0; h < HC; ++h)
-          for (int j = 0; j < 2; ++j)
-            wv[h][j] = _mm512_mul_ps(_mm512_loadu_ps(weights + (h * groups + grp) * attention_split_tokens + 16 * j), unscale);
-        *group_end = (grp + 1) * VG;
-      }
-      for (int h = 0; h < HC; ++h) {
-        float* lane = lanes + (static_cast<std::int64_t>(h) * D + c) * 16;
-        __m512 x = _mm512_load_ps(lane);
-        x = _mm512_fmadd_ps(wv[h][0], k[0], x);
-        x = _mm512_fmadd_ps(wv[h][1], k[1], x);
-        _mm512_store_ps(lane, x);
-      }
-    }
-  };
   __m512 wv[HC][2];
-  std::int64_t group_end = 0;
-  int c0 = 0;
-  for (; c0 + 16 <= D; c0 += 16) decode_chunk_gfni(rows, planes, c0, 16, zext, accumulate{weights, VG, groups, unscale, lanes, D, c0, &group_end, wv});
-  if (c0 < D) decode_chunk_gfni(rows, planes, c0, D - c0, zext, accumulate{weights, VG, groups, unscale, lanes, D, c0, &group_end, wv});
+  const std::uint32_t* rows[16];
+  for (int c0 = 0; c0 < D; c0 += 16) {
+    const int cn = D - c0 < 16 ? D - c0 : 16;
+    for (std::int64_t k = 0; k < nblocks; ++k) {
+      if (c0 == 0 && k + prefetch_blocks < nblocks)  // the first pass brings every line of the blocks ahead
+        for (int j = 0; j < planes; ++j)
+          for (int c = 0; c < D; c += 16) __builtin_prefetch(rows0[j] + (k + prefetch_blocks) * stride[j] + c, 0, 3);
+      for (int j = 0; j < planes; ++j) rows[j] = rows0[j] + k * stride[j];
+      std::int64_t group_end = 0;  // reload the weights at this chunk's first channel
+      const value_channel_accumulate<HC> add{weights + k * attention_block_tokens, VG, groups, unscale, lanes, D, c0, &group_end, wv};
+      if (cn == 16) decode_chunk_gfni(rows, planes, c0, 16, zext, add);
+      else decode_chunk_gfni(rows, planes, c0, cn, zext, add);
+    }
+  }
 }
 
 /// Bits of the integers decode_block writes: prefix << (decoded_bits(P) - P).
@@ -766,21 +784,26 @@ LYNX_ATTENTION_AVX512_TARGET void accumulate_values_avx512(const plane_kv_source
   std::fill(w.lanes, w.lanes + heads * D * attention_reduction_lanes, 0.0f);
   const std::uint32_t* rows[16];
   const std::int64_t b_end = (t1 + attention_block_tokens - 1) / attention_block_tokens;
-  if (host_has_gfni()) {  // decode in registers, one block at a time
+  if (host_has_gfni()) {  // decode in registers, chunk of 16 channels by chunk
     const __m512 unscale = _mm512_set1_ps(std::ldexp(1.0f, -(decoded_bits(src.planes) - src.planes)));
-    for (std::int64_t b = t0 / attention_block_tokens; b < b_end; ++b) {
-      src.prefetch_block(false, kv_head, b + prefetch_blocks);
-      src.block_rows(false, kv_head, b, rows);
-      const std::int64_t off = b * attention_block_tokens - t0;
-      for (int h0 = 0; h0 < heads; h0 += 4) {
-        const float* wts = w.weights + h0 * groups * attention_split_tokens + off;
-        float* lanes = w.lanes + static_cast<std::int64_t>(h0) * D * 16;
-        switch (std::min(4, heads - h0)) {
-          case 1: add_value_block_fused_gfni<1>(rows, src.planes, D, VG, wts, groups, unscale, lanes); break;
-          case 2: add_value_block_fused_gfni<2>(rows, src.planes, D, VG, wts, groups, unscale, lanes); break;
-          case 3: add_value_block_fused_gfni<3>(rows, src.planes, D, VG, wts, groups, unscale, lanes); break;
-          default: add_value_block_fused_gfni<4>(rows, src.planes, D, VG, wts, groups, unscale, lanes); break;
-        }
+    const std::int64_t b0 = t0 / attention_block_tokens, nblocks = b_end - b0;
+    const std::uint32_t* next[16];
+    std::int64_t stride[16] = {};
+    src.block_rows(false, kv_head, b0, rows);
+    if (nblocks > 1) {  // blocks of a kv head are evenly spaced in each stream's section
+      src.block_rows(false, kv_head, b0 + 1, next);
+      for (int j = 0; j < src.planes; ++j) stride[j] = next[j] - rows[j];
+    }
+    for (std::int64_t k = 0; k < prefetch_blocks && k < nblocks; ++k) src.prefetch_block(false, kv_head, b0 + k);
+    const std::int64_t off = b0 * attention_block_tokens - t0;
+    for (int h0 = 0; h0 < heads; h0 += 4) {
+      const float* wts = w.weights + h0 * groups * attention_split_tokens + off;
+      float* lanes = w.lanes + static_cast<std::int64_t>(h0) * D * 16;
+      switch (std::min(4, heads - h0)) {
+        case 1: add_value_span_fused_gfni<1>(rows, stride, nblocks, src.planes, D, VG, wts, groups, unscale, lanes); break;
+        case 2: add_value_span_fused_gfni<2>(rows, stride, nblocks, src.planes, D, VG, wts, groups, unscale, lanes); break;
+        case 3: add_value_span_fused_gfni<3>(rows, stride, nblocks, src.planes, D, VG, wts, groups, unscale, lanes); break;
+        default: add_value_span_fused_gfni<4>(rows, stride, nblocks, src.planes, D, VG, wts, groups, unscale, lanes); break;
       }
     }
     finish_value_lanes(w.lanes, heads, D, VG, groups, w.offsets, acc);

@@ -409,9 +409,10 @@ void encode_unit(const kv_view<const T, host_space>& keys, const kv_view<const T
       const int batch = static_cast<int>(std::min<std::int64_t>(16, groups - f0));
       // Group f = f0 + k is (token f / VGs, channels from (f % VGs) * VG), stepped
       // without divisions; past the batch the last group repeats.
+      std::int64_t f_tok = f0 / VGs, f_grp = f0 % VGs;
       for (int k = 0; k < 16; ++k) {
-        const std::int64_t f = f0 + std::min(k, batch - 1);
-        const std::int64_t tok = t0 + f / VGs, c0 = (f % VGs) * VG;
+        const std::int64_t tok = t0 + f_tok, c0 = f_grp * VG;
+        if (k + 1 < batch && ++f_grp == VGs) f_grp = 0, ++f_tok;
         __m512 l = load16(&values(tok, h, c0)), u = l;
         non_finite = track_non_finite(non_finite, l);
         for (std::int64_t i = 1; i < per_group; ++i) {

@@ -24,8 +24,10 @@ namespace {
 constexpr int prompts = 20, committed_tokens = 64;
 
 const ll::weights* model() {
-  static const std::filesystem::path path = std::filesystem::path(LYNX_SHARED_DIR) / "models" / "stories260K.bin";
-  static std::unique_ptr<ll::weights> w = std::filesystem::exists(path) ? std::make_unique<ll::weights>(path) : nullptr;
+  static const std::filesystem::path path =
+      std::filesystem::path(LYNX_SHARED_DIR) / "models" / "stories260K.bin";
+  static std::unique_ptr<ll::weights> w =
+      std::filesystem::exists(path) ? std::make_unique<ll::weights>(path) : nullptr;
   return w.get();
 }
 
@@ -42,7 +44,8 @@ const std::vector<prepared<Plan>>& requests() {
     std::vector<prepared<Plan>> r;
     for (int seed = 0; seed < prompts; ++seed) {
       prepared<Plan> p;
-      p.prompt = ll::sample_prompt(*model(), static_cast<std::uint64_t>(seed), 200 + (seed * 37) % 200);
+      p.prompt =
+          ll::sample_prompt(*model(), static_cast<std::uint64_t>(seed), 200 + (seed * 37) % 200);
       ll::engine<> pre(*model());
       p.first = ll::argmax(pre.prefill(p.prompt));
       const auto enc = ll::encode_prompt<Plan>(pre);
@@ -71,7 +74,8 @@ void lynx_session(benchmark::State& state) {
       lynx::session_options o;
       o.max_draft = max_draft;
       o.max_new_tokens = committed_tokens;
-      lynx::progressive_session s(e, lynx::greedy_verifier{}, Plan::streams, static_cast<std::int64_t>(p.prompt.size()), p.first, o);
+      lynx::progressive_session s(e, lynx::greedy_verifier{}, Plan::streams,
+                                  static_cast<std::int64_t>(p.prompt.size()), p.first, o);
       // Level l + 1 lands once the drafts of level l are done: every draft is verified.
       for (int level = 1; !s.finished();) {
         if (s.available_level() < level) s.set_available_level(level);
@@ -101,7 +105,8 @@ void plain_greedy(benchmark::State& state) {
       ll::lynx_decode_engine<Plan> e(*model(), p.tensors, static_cast<int>(p.prompt.size()));
       int token = p.first;
       for (int i = 1; i < committed_tokens; ++i) {
-        e.forward({&token, 1}, static_cast<std::int64_t>(p.prompt.size()) + i - 1, Plan::streams, row);
+        e.forward({&token, 1}, static_cast<std::int64_t>(p.prompt.size()) + i - 1, Plan::streams,
+                  row);
         token = lynx::argmax_token(row);
       }
       benchmark::DoNotOptimize(token);
@@ -112,7 +117,27 @@ void plain_greedy(benchmark::State& state) {
 }  // namespace
 
 BENCHMARK(plain_greedy<lynx::plan_8_4_4>)->Unit(benchmark::kMillisecond);
-BENCHMARK(lynx_session<lynx::plan_8_4_4>)->Arg(2)->Arg(4)->Arg(8)->Arg(16)->Unit(benchmark::kMillisecond);
-BENCHMARK(lynx_session<lynx::plan_8_2_2_4>)->Arg(2)->Arg(4)->Arg(8)->Arg(16)->Unit(benchmark::kMillisecond);
-BENCHMARK(lynx_session<lynx::plan_16_4_12>)->Arg(2)->Arg(4)->Arg(8)->Arg(16)->Unit(benchmark::kMillisecond);
-BENCHMARK(lynx_session<lynx::plan_16_4_4_8>)->Arg(2)->Arg(4)->Arg(8)->Arg(16)->Unit(benchmark::kMillisecond);
+BENCHMARK(lynx_session<lynx::plan_8_4_4>)
+    ->Arg(2)
+    ->Arg(4)
+    ->Arg(8)
+    ->Arg(16)
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(lynx_session<lynx::plan_8_2_2_4>)
+    ->Arg(2)
+    ->Arg(4)
+    ->Arg(8)
+    ->Arg(16)
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(lynx_session<lynx::plan_16_4_12>)
+    ->Arg(2)
+    ->Arg(4)
+    ->Arg(8)
+    ->Arg(16)
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(lynx_session<lynx::plan_16_4_4_8>)
+    ->Arg(2)
+    ->Arg(4)
+    ->Arg(8)
+    ->Arg(16)
+    ->Unit(benchmark::kMillisecond);

@@ -7,8 +7,8 @@
 // Without a CUDA device the binary says so and exits 0.
 #include <benchmark/benchmark.h>
 
-#include <cstdio>
 #include <cstdint>
+#include <cstdio>
 #include <random>
 #include <vector>
 
@@ -21,7 +21,9 @@ constexpr std::int64_t kv_heads = 8, head_dim = 128;
 
 lynx::kv_shape layer_shape(std::int64_t tokens) { return {tokens, kv_heads, head_dim}; }
 
-std::int64_t kv_bytes(std::int64_t tokens) { return 2 * tokens * kv_heads * head_dim * static_cast<std::int64_t>(sizeof(lynx::bf16)); }
+std::int64_t kv_bytes(std::int64_t tokens) {
+  return 2 * tokens * kv_heads * head_dim * static_cast<std::int64_t>(sizeof(lynx::bf16));
+}
 
 // K and V of one layer on the device, token-major, random normal values.
 struct device_layer {
@@ -68,9 +70,12 @@ void timed_loop(benchmark::State& state, std::int64_t bytes, F&& body) {
 
 void bm_cuda_memcpy_d2d(benchmark::State& state) {
   const std::int64_t bytes = kv_bytes(state.range(0));
-  lynx::cuda::device_buffer src(static_cast<std::size_t>(bytes)), dst(static_cast<std::size_t>(bytes));
+  lynx::cuda::device_buffer src(static_cast<std::size_t>(bytes)),
+      dst(static_cast<std::size_t>(bytes));
   LYNX_CUDA_CHECK(cudaMemset(src.data(), 1, src.size()));
-  timed_loop(state, bytes, [&] { LYNX_CUDA_CHECK(cudaMemcpyAsync(dst.data(), src.data(), src.size(), cudaMemcpyDeviceToDevice)); });
+  timed_loop(state, bytes, [&] {
+    LYNX_CUDA_CHECK(cudaMemcpyAsync(dst.data(), src.data(), src.size(), cudaMemcpyDeviceToDevice));
+  });
 }
 
 template <class Plan>
@@ -81,7 +86,8 @@ void bm_cuda_encode(benchmark::State& state) {
   lynx::cuda::device_encoded_layer<Plan, 32> out(lynx::make_geometry<Plan, 32>(layer.shape), 0);
   std::size_t workspace_bytes = out.workspace().size;
   timed_loop(state, kv_bytes(state.range(0)), [&] {
-    LYNX_CUDA_CHECK((lynx::cuda::encode_async<Plan, 32, lynx::bf16>(out.workspace().data, workspace_bytes, keys, values, 0, out.segments())));
+    LYNX_CUDA_CHECK((lynx::cuda::encode_async<Plan, 32, lynx::bf16>(
+        out.workspace().data, workspace_bytes, keys, values, 0, out.segments())));
   });
   lynx::cuda::check_encode_status<Plan, 32, lynx::bf16>(out.workspace().data, keys, values, 0);
 }
@@ -91,20 +97,25 @@ void bm_cuda_reconstruct(benchmark::State& state) {
   const int level = static_cast<int>(state.range(1));
   device_layer layer(state.range(0));
   lynx::cuda::device_buffer keys_out(layer.keys.size()), values_out(layer.values.size());
-  const auto encoded =
-      lynx::cuda::encode<Plan, 32, lynx::bf16>(layer.view<const lynx::bf16>(layer.keys), layer.view<const lynx::bf16>(layer.values), 0);
+  const auto encoded = lynx::cuda::encode<Plan, 32, lynx::bf16>(
+      layer.view<const lynx::bf16>(layer.keys), layer.view<const lynx::bf16>(layer.values), 0);
   // a view straight over the device segments' payloads (what a device tensor holds after accept)
   lynx::bitplane_view<Plan, 32, lynx::device_space> view;
   view.geometry = encoded.geometry();
   view.level = level;
-  for (int s = 0; s < Plan::streams; ++s) view.payload[static_cast<std::size_t>(s)] = encoded.segment(s).data + lynx::segment_header_bytes;
+  for (int s = 0; s < Plan::streams; ++s)
+    view.payload[static_cast<std::size_t>(s)] =
+        encoded.segment(s).data + lynx::segment_header_bytes;
   const auto k = layer.view<lynx::bf16>(keys_out);
   const auto v = layer.view<lynx::bf16>(values_out);
-  timed_loop(state, kv_bytes(state.range(0)), [&] { lynx::cuda::reconstruct<Plan, 32, lynx::bf16>(view, k, v); });
+  timed_loop(state, kv_bytes(state.range(0)),
+             [&] { lynx::cuda::reconstruct<Plan, 32, lynx::bf16>(view, k, v); });
   state.SetLabel(level == 1 ? "anchor" : "full");
 }
 
-void token_args(benchmark::internal::Benchmark* b) { b->Arg(4096)->Arg(32768)->UseManualTime()->Unit(benchmark::kMicrosecond); }
+void token_args(benchmark::internal::Benchmark* b) {
+  b->Arg(4096)->Arg(32768)->UseManualTime()->Unit(benchmark::kMicrosecond);
+}
 void level_args(benchmark::internal::Benchmark* b) {
   for (const std::int64_t tokens : {4096, 32768})
     for (const std::int64_t level : {1, 2}) b->Args({tokens, level});

@@ -72,13 +72,19 @@ struct namespaces {
       return;
     }
     made = true;
-    const bool ok = sh("ip link add " + va + " type veth peer name " + vb) == 0 && sh("ip link set " + va + " netns " + a) == 0 &&
-                    sh("ip link set " + vb + " netns " + b) == 0 &&
-                    sh("ip netns exec " + a + " ip addr add " + sender_ip + "/24 dev " + va) == 0 &&
-                    sh("ip netns exec " + b + " ip addr add " + receiver_ip + "/24 dev " + vb) == 0 &&
-                    sh("ip netns exec " + a + " ip link set " + va + " up") == 0 && sh("ip netns exec " + b + " ip link set " + vb + " up") == 0 &&
-                    sh("ip netns exec " + a + " ip link set lo up") == 0 && sh("ip netns exec " + b + " ip link set lo up") == 0;
-    if (!ok) throw lynx::error(lynx::errc::transport_failure, "slow_link: could not build the veth pair between " + a + " and " + b);
+    const bool ok =
+        sh("ip link add " + va + " type veth peer name " + vb) == 0 &&
+        sh("ip link set " + va + " netns " + a) == 0 &&
+        sh("ip link set " + vb + " netns " + b) == 0 &&
+        sh("ip netns exec " + a + " ip addr add " + sender_ip + "/24 dev " + va) == 0 &&
+        sh("ip netns exec " + b + " ip addr add " + receiver_ip + "/24 dev " + vb) == 0 &&
+        sh("ip netns exec " + a + " ip link set " + va + " up") == 0 &&
+        sh("ip netns exec " + b + " ip link set " + vb + " up") == 0 &&
+        sh("ip netns exec " + a + " ip link set lo up") == 0 &&
+        sh("ip netns exec " + b + " ip link set lo up") == 0;
+    if (!ok)
+      throw lynx::error(lynx::errc::transport_failure,
+                        "slow_link: could not build the veth pair between " + a + " and " + b);
   }
   ~namespaces() {
     if (made) {
@@ -91,9 +97,11 @@ struct namespaces {
   void set_rate(const std::string& rate, double gbit) const {
     const auto burst = std::max<long>(256 * 1024, static_cast<long>(gbit * 1e9 / 8 * 0.002));
     for (const auto& [ns, dev] : {std::pair{a, va}, std::pair{b, vb}}) {
-      const std::string cmd = "ip netns exec " + ns + " tc qdisc replace dev " + dev + " root tbf rate " + rate + " burst " +
-                              std::to_string(burst) + " latency 100ms";
-      if (sh(cmd) != 0) throw lynx::error(lynx::errc::transport_failure, "slow_link: '" + cmd + "' failed");
+      const std::string cmd = "ip netns exec " + ns + " tc qdisc replace dev " + dev +
+                              " root tbf rate " + rate + " burst " + std::to_string(burst) +
+                              " latency 100ms";
+      if (sh(cmd) != 0)
+        throw lynx::error(lynx::errc::transport_failure, "slow_link: '" + cmd + "' failed");
     }
   }
 };
@@ -110,25 +118,32 @@ void enter_namespace(const std::string& name) {
 enum class mode { blocking_8, blocking_4, lynx, lynx_no_write_priority };
 const char* name_of(mode m) {
   switch (m) {
-    case mode::blocking_8: return "blocking 8-bit (8=8)";
-    case mode::blocking_4: return "blocking 4-bit (anchors alone)";
-    case mode::lynx: return "Lynx 8=4+4, two lanes";
-    case mode::lynx_no_write_priority: return "Lynx 8=4+4, no write priority";
+    case mode::blocking_8:
+      return "blocking 8-bit (8=8)";
+    case mode::blocking_4:
+      return "blocking 4-bit (anchors alone)";
+    case mode::lynx:
+      return "Lynx 8=4+4, two lanes";
+    case mode::lynx_no_write_priority:
+      return "Lynx 8=4+4, no write priority";
   }
   return "?";
 }
 
 /// What one trial's processes report through a pipe (nanoseconds of CLOCK_MONOTONIC).
 struct trial_report {
-  std::int64_t start_ns = 0;       // sender: first post
-  std::int64_t anchors_ns = 0;     // receiver: every stream-0 segment held
-  std::int64_t all_ns = 0;         // receiver: every segment held
-  std::int64_t bytes = 0;          // received, headers included
+  std::int64_t start_ns = 0;    // sender: first post
+  std::int64_t anchors_ns = 0;  // receiver: every stream-0 segment held
+  std::int64_t all_ns = 0;      // receiver: every segment held
+  std::int64_t bytes = 0;       // received, headers included
   int segments = 0, bad_checksums = 0;
-  int status = 0;                  // errc of the side that failed, 0 when fine
+  int status = 0;  // errc of the side that failed, 0 when fine
 };
 
-std::int64_t ns_now() { return std::chrono::duration_cast<std::chrono::nanoseconds>(clock_type::now().time_since_epoch()).count(); }
+std::int64_t ns_now() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(clock_type::now().time_since_epoch())
+      .count();
+}
 
 struct cache {
   std::vector<lynx::encoded_layer<lynx::plan_8_4_4>> progressive;
@@ -138,9 +153,12 @@ struct cache {
 std::vector<std::span<const std::byte>> segments_for(const cache& c, mode m) {
   std::vector<std::span<const std::byte>> s;
   for (int l = 0; l < layers; ++l) {
-    if (m == mode::blocking_8) s.push_back(c.blocking8[static_cast<std::size_t>(l)].segment(0));
-    else s.push_back(c.progressive[static_cast<std::size_t>(l)].segment(0));
-    if (m == mode::lynx || m == mode::lynx_no_write_priority) s.push_back(c.progressive[static_cast<std::size_t>(l)].segment(1));
+    if (m == mode::blocking_8)
+      s.push_back(c.blocking8[static_cast<std::size_t>(l)].segment(0));
+    else
+      s.push_back(c.progressive[static_cast<std::size_t>(l)].segment(0));
+    if (m == mode::lynx || m == mode::lynx_no_write_priority)
+      s.push_back(c.progressive[static_cast<std::size_t>(l)].segment(1));
   }
   return s;
 }
@@ -158,8 +176,10 @@ int receiver_main(const namespaces& ns, int lanes, int expected, int report_fd, 
     if (::write(ready_fd, &go, 1) != 1) return 92;
     auto receiver = lynx::tcp_receiver::accept(listener, clock_type::now() + 30s, {}, lanes);
     int anchors_expected = 0;
-    if (lanes == 2) anchors_expected = expected / 2;
-    else anchors_expected = expected;
+    if (lanes == 2)
+      anchors_expected = expected / 2;
+    else
+      anchors_expected = expected;
     int anchors = 0;
     std::vector<lynx::received_segment<clock_type>> held;
     for (int i = 0; i < expected; ++i) {
@@ -178,7 +198,8 @@ int receiver_main(const namespaces& ns, int lanes, int expected, int report_fd, 
     // Checked after the clock stopped: every byte arrived intact.
     for (const auto& s : held) {
       const auto h = lynx::peek_header(s.bytes);
-      if (lynx::segment_checksum(h, s.bytes.subspan(lynx::segment_header_bytes)) != h.checksum) ++rep.bad_checksums;
+      if (lynx::segment_checksum(h, s.bytes.subspan(lynx::segment_header_bytes)) != h.checksum)
+        ++rep.bad_checksums;
       receiver.release(s);
     }
   } catch (const lynx::error& e) {
@@ -230,7 +251,8 @@ trial_result run_trial(const namespaces& ns, const cache& c, mode m, std::size_t
   const int lanes = (m == mode::lynx || m == mode::lynx_no_write_priority) ? 2 : 1;
   const int expected = static_cast<int>(segments_for(c, m).size());
   int rx[2], tx[2], ready[2];
-  if (::pipe(rx) || ::pipe(tx) || ::pipe(ready)) throw lynx::error(lynx::errc::internal, "pipe failed");
+  if (::pipe(rx) || ::pipe(tx) || ::pipe(ready))
+    throw lynx::error(lynx::errc::internal, "pipe failed");
   const pid_t receiver = spawn([&] { return receiver_main(ns, lanes, expected, rx[1], ready[1]); });
   char go = 0;
   const bool listening = ::read(ready[0], &go, 1) == 1;
@@ -242,10 +264,13 @@ trial_result run_trial(const namespaces& ns, const cache& c, mode m, std::size_t
     if (p > 0) ::waitpid(p, nullptr, 0);
   for (const int fd : {rx[0], rx[1], tx[0], tx[1], ready[0], ready[1]}) ::close(fd);
   trial_result t;
-  t.ok = got_r && got_s && r.status == 0 && s.status == 0 && r.segments == expected && r.bad_checksums == 0;
+  t.ok = got_r && got_s && r.status == 0 && s.status == 0 && r.segments == expected &&
+         r.bad_checksums == 0;
   if (!t.ok)
-    std::fprintf(stderr, "  trial %s failed: receiver status %d (%d/%d segments, %d bad), sender status %d\n", name_of(m), r.status, r.segments,
-                 expected, r.bad_checksums, s.status);
+    std::fprintf(
+        stderr,
+        "  trial %s failed: receiver status %d (%d/%d segments, %d bad), sender status %d\n",
+        name_of(m), r.status, r.segments, expected, r.bad_checksums, s.status);
   t.anchor_ms = static_cast<double>(r.anchors_ns - s.start_ns) * 1e-6;
   t.all_ms = static_cast<double>(r.all_ns - s.start_ns) * 1e-6;
   t.bytes = static_cast<double>(r.bytes);
@@ -267,10 +292,14 @@ int main(int argc, char** argv) {
   std::string rates = "1gbit,10gbit";
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i], v = argv[i + 1];
-    if (k == "--tokens") tokens = std::stoll(v);
-    else if (k == "--reps") reps = std::stoi(v);
-    else if (k == "--rates") rates = v;
-    else if (k == "--window-mib") window_mib = std::stod(v);
+    if (k == "--tokens")
+      tokens = std::stoll(v);
+    else if (k == "--reps")
+      reps = std::stoi(v);
+    else if (k == "--rates")
+      rates = v;
+    else if (k == "--window-mib")
+      window_mib = std::stod(v);
     else {
       std::fprintf(stderr, "unknown option %s\n", k.c_str());
       return 2;
@@ -282,13 +311,16 @@ int main(int argc, char** argv) {
   }
   namespaces ns;
   if (!ns.made) {
-    std::printf("SKIPPED: 'ip netns add' failed (no CAP_SYS_ADMIN or no iproute2); nothing measured\n");
+    std::printf(
+        "SKIPPED: 'ip netns add' failed (no CAP_SYS_ADMIN or no iproute2); nothing measured\n");
     return 0;
   }
 
   const lynx::kv_shape shape{tokens, kv_heads, head_dim};
-  std::printf("Llama-3-8B-shaped cache: %d layers x [%lld tokens, %lld KV heads, head_dim %lld], K and V\n", layers,
-              static_cast<long long>(tokens), static_cast<long long>(kv_heads), static_cast<long long>(head_dim));
+  std::printf(
+      "Llama-3-8B-shaped cache: %d layers x [%lld tokens, %lld KV heads, head_dim %lld], K and V\n",
+      layers, static_cast<long long>(tokens), static_cast<long long>(kv_heads),
+      static_cast<long long>(head_dim));
   const auto t0 = clock_type::now();
   cache c;
   {
@@ -302,32 +334,46 @@ int main(int argc, char** argv) {
       for (auto& x : v) x = normal(rng);
       const auto kv = lynx::token_major<const float>(k.data(), shape);
       const auto vv = lynx::token_major<const float>(v.data(), shape);
-      c.progressive.push_back(lynx::encode<lynx::plan_8_4_4>(kv, vv, static_cast<std::uint32_t>(l), o));
+      c.progressive.push_back(
+          lynx::encode<lynx::plan_8_4_4>(kv, vv, static_cast<std::uint32_t>(l), o));
       c.blocking8.push_back(lynx::encode<lynx::plan_8_8>(kv, vv, static_cast<std::uint32_t>(l), o));
     }
   }
   double anchor_mb = 0, residual_mb = 0, full_mb = 0;
   for (int l = 0; l < layers; ++l) {
-    anchor_mb += static_cast<double>(c.progressive[static_cast<std::size_t>(l)].segment(0).size()) / 1e6;
-    residual_mb += static_cast<double>(c.progressive[static_cast<std::size_t>(l)].segment(1).size()) / 1e6;
-    full_mb += static_cast<double>(c.blocking8[static_cast<std::size_t>(l)].segment(0).size()) / 1e6;
+    anchor_mb +=
+        static_cast<double>(c.progressive[static_cast<std::size_t>(l)].segment(0).size()) / 1e6;
+    residual_mb +=
+        static_cast<double>(c.progressive[static_cast<std::size_t>(l)].segment(1).size()) / 1e6;
+    full_mb +=
+        static_cast<double>(c.blocking8[static_cast<std::size_t>(l)].segment(0).size()) / 1e6;
   }
   const auto window = static_cast<std::size_t>(window_mib * (1 << 20));
-  std::printf("segments: anchors %.1f MB, residuals %.1f MB (8=4+4); blocking 8-bit %.1f MB; encoded in %.1f s\n", anchor_mb, residual_mb,
-              full_mb, std::chrono::duration<double>(clock_type::now() - t0).count());
-  std::printf("link: veth between two network namespaces, tc tbf on each direction; TCP, fresh connections per trial;\n"
-              "residual window %.1f MiB (the scheduler's residual_window_bytes; one residual segment is %.1f MiB); %d reps, median\n\n",
-              window_mib, static_cast<double>(c.progressive[0].segment(1).size()) / (1 << 20), reps);
+  std::printf(
+      "segments: anchors %.1f MB, residuals %.1f MB (8=4+4); blocking 8-bit %.1f MB; encoded in "
+      "%.1f s\n",
+      anchor_mb, residual_mb, full_mb,
+      std::chrono::duration<double>(clock_type::now() - t0).count());
+  std::printf(
+      "link: veth between two network namespaces, tc tbf on each direction; TCP, fresh connections "
+      "per trial;\n"
+      "residual window %.1f MiB (the scheduler's residual_window_bytes; one residual segment is "
+      "%.1f MiB); %d reps, median\n\n",
+      window_mib, static_cast<double>(c.progressive[0].segment(1).size()) / (1 << 20), reps);
 
   bool all_pass = true;
   std::size_t start = 0;
   while (start < rates.size()) {
     const std::size_t comma = rates.find(',', start);
-    const std::string rate = rates.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
+    const std::string rate =
+        rates.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
     start = comma == std::string::npos ? rates.size() : comma + 1;
-    const double gbit = std::stod(rate) * (rate.find("gbit") != std::string::npos ? 1.0 : rate.find("mbit") != std::string::npos ? 1e-3 : 1e-9);
+    const double gbit = std::stod(rate) * (rate.find("gbit") != std::string::npos   ? 1.0
+                                           : rate.find("mbit") != std::string::npos ? 1e-3
+                                                                                    : 1e-9);
     ns.set_rate(rate, gbit);
-    const mode modes[] = {mode::blocking_8, mode::blocking_4, mode::lynx, mode::lynx_no_write_priority};
+    const mode modes[] = {mode::blocking_8, mode::blocking_4, mode::lynx,
+                          mode::lynx_no_write_priority};
     std::vector<double> anchor[4], all[4], bytes[4];
     bool ok = true;
     for (int r = 0; r < reps; ++r)
@@ -339,21 +385,25 @@ int main(int argc, char** argv) {
         bytes[i].push_back(t.bytes);
       }
     std::printf("rate %s\n", rate.c_str());
-    std::printf("  %-32s %10s %16s %16s %12s\n", "transfer", "MB", "anchor landed", "all landed", "goodput");
+    std::printf("  %-32s %10s %16s %16s %12s\n", "transfer", "MB", "anchor landed", "all landed",
+                "goodput");
     for (int i = 0; i < 4; ++i) {
       const double a = median(anchor[i]), f = median(all[i]), mb = median(bytes[i]) / 1e6;
       const bool progressive = modes[i] == mode::lynx || modes[i] == mode::lynx_no_write_priority;
       char anchor_col[32] = "-";
       if (progressive) std::snprintf(anchor_col, sizeof anchor_col, "%.1f ms", a);
-      std::printf("  %-32s %10.1f %16s %13.1f ms %7.2f Gbit/s\n", name_of(modes[i]), mb, anchor_col, f, mb * 8e-3 / (f * 1e-3));
+      std::printf("  %-32s %10.1f %16s %13.1f ms %7.2f Gbit/s\n", name_of(modes[i]), mb, anchor_col,
+                  f, mb * 8e-3 / (f * 1e-3));
     }
     const double ratio = median(anchor[2]) / median(all[1]);
     const double ratio_np = median(anchor[3]) / median(all[1]);
     const bool pass = ok && ratio <= 1.10;
     all_pass = all_pass && pass;
-    std::printf("  Lynx anchor / blocking 4-bit = %.3f (bar <= 1.10: %s); without write priority %.3f\n", ratio, pass ? "PASS" : "FAIL",
-                ratio_np);
-    std::printf("  Lynx anchor vs blocking 8-bit: %.2fx sooner\n\n", median(all[0]) / median(anchor[2]));
+    std::printf(
+        "  Lynx anchor / blocking 4-bit = %.3f (bar <= 1.10: %s); without write priority %.3f\n",
+        ratio, pass ? "PASS" : "FAIL", ratio_np);
+    std::printf("  Lynx anchor vs blocking 8-bit: %.2fx sooner\n\n",
+                median(all[0]) / median(anchor[2]));
   }
   return all_pass ? 0 : 1;
 }

@@ -52,10 +52,14 @@ struct layer_input {
     }
   }
   [[nodiscard]] lynx::kv_view<const lynx::bf16> k() const {
-    return lynx::token_major<const lynx::bf16>(keys.data(), {static_cast<std::int64_t>(keys.size() / (kv_heads * head_dim)), kv_heads, head_dim});
+    return lynx::token_major<const lynx::bf16>(
+        keys.data(),
+        {static_cast<std::int64_t>(keys.size() / (kv_heads * head_dim)), kv_heads, head_dim});
   }
   [[nodiscard]] lynx::kv_view<const lynx::bf16> v() const {
-    return lynx::token_major<const lynx::bf16>(values.data(), {static_cast<std::int64_t>(values.size() / (kv_heads * head_dim)), kv_heads, head_dim});
+    return lynx::token_major<const lynx::bf16>(
+        values.data(),
+        {static_cast<std::int64_t>(values.size() / (kv_heads * head_dim)), kv_heads, head_dim});
   }
 };
 
@@ -93,7 +97,8 @@ void reconstruct_layer(benchmark::State& state) {
   std::vector<lynx::bf16> k(in.keys.size()), v(in.values.size());
   const lynx::kv_shape shape{tokens, kv_heads, head_dim};
   for (auto _ : state) {
-    lynx::reconstruct(t.view_at(level), lynx::token_major(k.data(), shape), lynx::token_major(v.data(), shape), {threads});
+    lynx::reconstruct(t.view_at(level), lynx::token_major(k.data(), shape),
+                      lynx::token_major(v.data(), shape), {threads});
     benchmark::DoNotOptimize(k.data());
   }
   state.SetBytesProcessed(state.iterations() * static_cast<std::int64_t>(in.keys.size() * 4));
@@ -105,7 +110,8 @@ class capturing_reporter : public benchmark::ConsoleReporter {
   void ReportRuns(const std::vector<Run>& runs) override {
     for (const Run& r : runs)
       if (r.run_type == Run::RT_Iteration && r.iterations > 0)
-        measured[r.benchmark_name()] = r.real_accumulated_time / static_cast<double>(r.iterations);  // seconds per layer
+        measured[r.benchmark_name()] =
+            r.real_accumulated_time / static_cast<double>(r.iterations);  // seconds per layer
     ConsoleReporter::ReportRuns(runs);
   }
 };
@@ -126,9 +132,11 @@ struct ttft_row {
 // one-lane link; returns when the first stream (anchor) and all streams have
 // landed on every layer, encode pipelined with sending.
 template <class Plan>
-std::pair<double, double> link_times(std::int64_t tokens, double gbps, int streams, double encode_per_layer, double start) {
+std::pair<double, double> link_times(std::int64_t tokens, double gbps, int streams,
+                                     double encode_per_layer, double start) {
   const lynx::layer_geometry g = lynx::make_geometry<Plan, 32>({tokens, kv_heads, head_dim});
-  auto options = lynx::simulated_link_options::one_lane(static_cast<std::uint64_t>(gbps * 1e9 / 8), lynx::virtual_duration(10'000'000));
+  auto options = lynx::simulated_link_options::one_lane(static_cast<std::uint64_t>(gbps * 1e9 / 8),
+                                                        lynx::virtual_duration(10'000'000));
   options.keep_bytes = false;
   lynx::simulated_link link(options);
   lynx::stream_scheduler scheduler(link.sender(), lynx::scheduler_options{std::size_t{64} << 20});
@@ -142,8 +150,10 @@ std::pair<double, double> link_times(std::int64_t tokens, double gbps, int strea
       std::memcpy(buffers.back().data(), &h, sizeof h);
     }
   for (int l = 0; l < layers; ++l) {
-    link.advance_to(lynx::virtual_time(lynx::virtual_duration(static_cast<std::int64_t>((start + (l + 1) * encode_per_layer) * 1e12))));
-    for (int s = 0; s < streams; ++s) scheduler.submit(buffers[static_cast<std::size_t>(l * streams + s)].span());
+    link.advance_to(lynx::virtual_time(lynx::virtual_duration(
+        static_cast<std::int64_t>((start + (l + 1) * encode_per_layer) * 1e12))));
+    for (int s = 0; s < streams; ++s)
+      scheduler.submit(buffers[static_cast<std::size_t>(l * streams + s)].span());
     scheduler.progress();
   }
   link.run_until_idle();
@@ -158,25 +168,38 @@ std::pair<double, double> link_times(std::int64_t tokens, double gbps, int strea
 
 void print_table(int threads, bool codec_free = false) {
   if (codec_free)
-    std::printf("\nTTFT of the first token after the prefill's (ms), Llama-3-8B-shaped cache (32 layers x 8 KV heads x 128), "
-                "one shared link, 10 us latency, encode and reconstruct NOT charged (as if on the GPU, hidden under the link)\n");
+    std::printf(
+        "\nTTFT of the first token after the prefill's (ms), Llama-3-8B-shaped cache (32 layers x "
+        "8 KV heads x 128), "
+        "one shared link, 10 us latency, encode and reconstruct NOT charged (as if on the GPU, "
+        "hidden under the link)\n");
   else
-    std::printf("\nTTFT of the first token after the prefill's (ms), Llama-3-8B-shaped cache (32 layers x 8 KV heads x 128), "
-                "one shared link, 10 us latency, %d encode/reconstruct thread(s) on this CPU\n",
-                threads);
-  std::printf("assumed (8B model on a GPU): prefill 0.60 s at 8K, 3.20 s at 32K; decode step 12 ms at 8K, 20 ms at 32K; "
-              "verification = step + 10%%\n");
-  std::printf("measured per layer here: encode and reconstruct to bf16 (see the benchmark lines above)\n\n");
-  std::printf("%7s %6s | %9s %9s %9s | %10s %11s | %7s %7s | %10s %10s %10s\n", "tokens", "Gbit/s", "bf16", "8-bit", "4-bit",
-              "Lynx draft", "Lynx commit", "8b/Lynx", "Lynx/4b", "32: 8-bit", "32: Lynx+", "32: Lynx-");
+    std::printf(
+        "\nTTFT of the first token after the prefill's (ms), Llama-3-8B-shaped cache (32 layers x "
+        "8 KV heads x 128), "
+        "one shared link, 10 us latency, %d encode/reconstruct thread(s) on this CPU\n",
+        threads);
+  std::printf(
+      "assumed (8B model on a GPU): prefill 0.60 s at 8K, 3.20 s at 32K; decode step 12 ms at 8K, "
+      "20 ms at 32K; "
+      "verification = step + 10%%\n");
+  std::printf(
+      "measured per layer here: encode and reconstruct to bf16 (see the benchmark lines "
+      "above)\n\n");
+  std::printf("%7s %6s | %9s %9s %9s | %10s %11s | %7s %7s | %10s %10s %10s\n", "tokens", "Gbit/s",
+              "bf16", "8-bit", "4-bit", "Lynx draft", "Lynx commit", "8b/Lynx", "Lynx/4b",
+              "32: 8-bit", "32: Lynx+", "32: Lynx-");
   for (const std::int64_t tokens : token_counts)
     for (const double gbps : link_gbps) {
       const double prefill = assumed_prefill_s(tokens), step = assumed_step_s(tokens);
       const double enc8 = codec_free ? 0.0 : measured[key("encode_8_8", tokens, threads)];
       const double enc44 = codec_free ? 0.0 : measured[key("encode_8_4_4", tokens, threads)];
-      const double rec_full = codec_free ? 0.0 : measured[key("reconstruct_8_8", tokens, threads, 1)];
-      const double rec_anchor = codec_free ? 0.0 : measured[key("reconstruct_8_4_4", tokens, threads, 1)];
-      const double rec_44_full = codec_free ? 0.0 : measured[key("reconstruct_8_4_4", tokens, threads, 2)];
+      const double rec_full =
+          codec_free ? 0.0 : measured[key("reconstruct_8_8", tokens, threads, 1)];
+      const double rec_anchor =
+          codec_free ? 0.0 : measured[key("reconstruct_8_4_4", tokens, threads, 1)];
+      const double rec_44_full =
+          codec_free ? 0.0 : measured[key("reconstruct_8_4_4", tokens, threads, 2)];
       // bf16: no encode; the bytes are the cache itself (2 bytes per element).
       const double bf16_bytes = static_cast<double>(layers) * 2 * tokens * kv_heads * head_dim * 2;
       const double bf16 = prefill + bf16_bytes * 8 / (gbps * 1e9) + 10e-6 + step;
@@ -189,23 +212,30 @@ void print_table(int threads, bool codec_free = false) {
       const double draft = anchor + rec_anchor + step;
       const double commit = std::max(all + rec_44_full, draft) + step * 1.1;
       // Time to 32 committed tokens after the prefill's: blocking 8-bit decodes one per step; Lynx
-      // drafts (up to 32) from the anchor until the residual lands, then commits the accepted prefix
-      // plus one at verification: + every draft accepted, - none accepted.
+      // drafts (up to 32) from the anchor until the residual lands, then commits the accepted
+      // prefix plus one at verification: + every draft accepted, - none accepted.
       constexpr int n = 32;
       const double to_n_8 = blocking8 + (n - 1) * step;
       const double drafting = std::max(0.0, all + rec_44_full - (anchor + rec_anchor));
       const int drafts = std::min(n, 1 + static_cast<int>(drafting / step));
       const double to_n_best = commit + std::max(0, n - (drafts + 1)) * step;
       const double to_n_worst = commit + (n - 1) * step;
-      std::printf("%7lld %6.0f | %9.1f %9.1f %9.1f | %10.1f %11.1f | %7.3f %7.3f | %10.1f %10.1f %10.1f\n", static_cast<long long>(tokens),
-                  gbps, bf16 * 1e3, blocking8 * 1e3, blocking4 * 1e3, draft * 1e3, commit * 1e3, blocking8 / commit, draft / blocking4,
-                  to_n_8 * 1e3, to_n_best * 1e3, to_n_worst * 1e3);
+      std::printf(
+          "%7lld %6.0f | %9.1f %9.1f %9.1f | %10.1f %11.1f | %7.3f %7.3f | %10.1f %10.1f %10.1f\n",
+          static_cast<long long>(tokens), gbps, bf16 * 1e3, blocking8 * 1e3, blocking4 * 1e3,
+          draft * 1e3, commit * 1e3, blocking8 / commit, draft / blocking4, to_n_8 * 1e3,
+          to_n_best * 1e3, to_n_worst * 1e3);
     }
-  std::printf("\nLynx draft: the first token drafted on the anchor (what a 4-bit transfer would show); Lynx commit: the first\n"
-              "token verified at full precision, i.e. what Lynx hands the user. 8b/Lynx > 1 means Lynx commits earlier than a\n"
-              "blocking 8-bit transfer; Lynx/4b near 1 means drafting starts when a 4-bit transfer would have landed.\n"
-              "32: time to 32 committed tokens after the prefill's; Lynx+ if every draft made before the residual landed is\n"
-              "accepted, Lynx- if none is (the acceptance rate of a real model lies between).\n");
+  std::printf(
+      "\nLynx draft: the first token drafted on the anchor (what a 4-bit transfer would show); "
+      "Lynx commit: the first\n"
+      "token verified at full precision, i.e. what Lynx hands the user. 8b/Lynx > 1 means Lynx "
+      "commits earlier than a\n"
+      "blocking 8-bit transfer; Lynx/4b near 1 means drafting starts when a 4-bit transfer would "
+      "have landed.\n"
+      "32: time to 32 committed tokens after the prefill's; Lynx+ if every draft made before the "
+      "residual landed is\n"
+      "accepted, Lynx- if none is (the acceptance rate of a real model lies between).\n");
 }
 
 }  // namespace
@@ -215,9 +245,18 @@ int main(int argc, char** argv) {
   const int all = lynx::detail::hardware_threads();
   for (const std::int64_t tokens : token_counts)
     for (const int threads : {1, all}) {
-      benchmark::RegisterBenchmark("encode_8_8", encode_layer<lynx::plan_8_8>)->Args({tokens, threads})->UseRealTime()->Unit(benchmark::kMillisecond);
-      benchmark::RegisterBenchmark("encode_8_4_4", encode_layer<lynx::plan_8_4_4>)->Args({tokens, threads})->UseRealTime()->Unit(benchmark::kMillisecond);
-      benchmark::RegisterBenchmark("reconstruct_8_8", reconstruct_layer<lynx::plan_8_8>)->Args({tokens, threads, 1})->UseRealTime()->Unit(benchmark::kMillisecond);
+      benchmark::RegisterBenchmark("encode_8_8", encode_layer<lynx::plan_8_8>)
+          ->Args({tokens, threads})
+          ->UseRealTime()
+          ->Unit(benchmark::kMillisecond);
+      benchmark::RegisterBenchmark("encode_8_4_4", encode_layer<lynx::plan_8_4_4>)
+          ->Args({tokens, threads})
+          ->UseRealTime()
+          ->Unit(benchmark::kMillisecond);
+      benchmark::RegisterBenchmark("reconstruct_8_8", reconstruct_layer<lynx::plan_8_8>)
+          ->Args({tokens, threads, 1})
+          ->UseRealTime()
+          ->Unit(benchmark::kMillisecond);
       for (int level : {1, 2})
         benchmark::RegisterBenchmark("reconstruct_8_4_4", reconstruct_layer<lynx::plan_8_4_4>)
             ->Args({tokens, threads, level})

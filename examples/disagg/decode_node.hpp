@@ -42,9 +42,10 @@ struct decode_node_options {
 
 /// A segment (or preamble) the decode node refused, and why.
 struct rejected_segment {
-  lynx::segment_id id;        // from its header when readable
+  lynx::segment_id id;  // from its header when readable
   lynx::lane_index lane = 0;
-  lynx::errc status = lynx::errc::ok;  // stale_generation, corrupted_segment, truncated_segment, layer_mismatch, ...
+  lynx::errc status = lynx::errc::ok;  // stale_generation, corrupted_segment, truncated_segment,
+                                       // layer_mismatch, ...
   std::string what;
 };
 
@@ -52,22 +53,25 @@ struct rejected_segment {
 struct transfer_failure {
   lynx::errc status = lynx::errc::ok;  // peer_failure, transport_failure, timeout (a deadline)
   std::string what;
-  double at = -1;                      // seconds on the request's timeline
+  double at = -1;  // seconds on the request's timeline
   lynx::failure_policy applied = lynx::failure_policy::fail_request;
 };
 
 struct decode_result {
-  timeline tl;  // anchor landed, drafts, residual landed, verification, commits (bytes_sent: bytes received)
+  timeline tl;  // anchor landed, drafts, residual landed, verification, commits (bytes_sent: bytes
+                // received)
   lynx::request_outcome outcome = lynx::request_outcome::pending;
   std::vector<lynx::committed_token> commits;  // in order, each with its verified flag
   lynx::session_stats stats;
   std::vector<rejected_segment> rejected;
   std::vector<transfer_failure> failures;  // in order; a rerequest that worked is followed by none
-  std::string failure;                     // why the request failed or went unverified (empty when completed)
+  std::string failure;  // why the request failed or went unverified (empty when completed)
   int duplicates = 0, stale = 0, rerequests = 0, segments_accepted = 0;
   int level = 0;  // precision level present on every layer at the end
   [[nodiscard]] int count(lynx::errc status) const {
-    return static_cast<int>(std::count_if(rejected.begin(), rejected.end(), [&](const rejected_segment& r) { return r.status == status; }));
+    return static_cast<int>(
+        std::count_if(rejected.begin(), rejected.end(),
+                      [&](const rejected_segment& r) { return r.status == status; }));
   }
 };
 
@@ -87,10 +91,12 @@ struct decode_node_hooks {
 /// Runs the decode node's side of one request whose prompt has `prompt_tokens`
 /// tokens, reading from `receiver` (already connected).
 template <lynx::stream_plan_type Plan, lynx::segment_receiver Receiver>
-decode_result run_decode_node(const ll::weights& w, int prompt_tokens, Receiver& receiver, const decode_node_options& o,
+decode_result run_decode_node(const ll::weights& w, int prompt_tokens, Receiver& receiver,
+                              const decode_node_options& o,
                               const decode_node_hooks<Receiver>& hooks = {}) {
   using clock = std::chrono::steady_clock;
-  static_assert(std::is_same_v<typename Receiver::clock, clock>, "run_decode_node: a wall-clock transport");
+  static_assert(std::is_same_v<typename Receiver::clock, clock>,
+                "run_decode_node: a wall-clock transport");
   using time_point = clock::time_point;
   const int layers = w.cfg().n_layers;
   const time_point start = clock::now();
@@ -128,14 +134,16 @@ decode_result run_decode_node(const ll::weights& w, int prompt_tokens, Receiver&
       level_seen[static_cast<std::size_t>(k)] = true;
       level_at[static_cast<std::size_t>(k)] = at;
     }
-    if (level == 0) residual_deadline = at + o.deadlines.residual;  // measured from the anchor's landing
+    if (level == 0)
+      residual_deadline = at + o.deadlines.residual;  // measured from the anchor's landing
     level = l;
     if (level == Plan::streams) link_done = true;
     if (session && !session->unverified()) session->set_available_level(level);
   };
 
   auto start_session = [&] {
-    session.emplace(engine, lynx::greedy_verifier{}, Plan::streams, prompt_tokens, preamble->first_token, so);
+    session.emplace(engine, lynx::greedy_verifier{}, Plan::streams, prompt_tokens,
+                    preamble->first_token, so);
     session->on_commit_event([&](const lynx::committed_token& t) {
       res.commits.push_back(t);
       if (hooks.on_commit) hooks.on_commit(t);
@@ -143,7 +151,8 @@ decode_result run_decode_node(const ll::weights& w, int prompt_tokens, Receiver&
     if (level > 0) session->set_available_level(level);
   };
 
-  auto reject = [&](lynx::segment_id id, lynx::lane_index lane, lynx::errc status, std::string what) {
+  auto reject = [&](lynx::segment_id id, lynx::lane_index lane, lynx::errc status,
+                    std::string what) {
     if (status == lynx::errc::stale_generation) ++res.stale;
     res.rejected.push_back({id, lane, status, std::move(what)});
   };
@@ -152,15 +161,20 @@ decode_result run_decode_node(const ll::weights& w, int prompt_tokens, Receiver&
     res.tl.bytes_sent += seg.bytes.size();
     if (looks_like_preamble(seg.bytes)) {
       const auto p = parse_preamble(seg.bytes);
-      if (!p) reject({}, seg.lane, lynx::errc::corrupted_segment, "a request preamble of the wrong size or version");
+      if (!p)
+        reject({}, seg.lane, lynx::errc::corrupted_segment,
+               "a request preamble of the wrong size or version");
       else if (p->generation != o.generation)
         reject({0, 0, p->generation}, seg.lane, lynx::errc::stale_generation,
-               "request preamble of generation " + std::to_string(p->generation) + ", the request is " + std::to_string(o.generation));
-      else if (p->prompt_tokens != prompt_tokens || p->layers != layers || p->streams != Plan::streams)
+               "request preamble of generation " + std::to_string(p->generation) +
+                   ", the request is " + std::to_string(o.generation));
+      else if (p->prompt_tokens != prompt_tokens || p->layers != layers ||
+               p->streams != Plan::streams)
         reject({0, 0, p->generation}, seg.lane, lynx::errc::shape_mismatch,
-               "request preamble of " + std::to_string(p->prompt_tokens) + " tokens, " + std::to_string(p->layers) + " layers, " +
-                   std::to_string(p->streams) + " streams; expected " + std::to_string(prompt_tokens) + ", " + std::to_string(layers) +
-                   ", " + std::to_string(Plan::streams));
+               "request preamble of " + std::to_string(p->prompt_tokens) + " tokens, " +
+                   std::to_string(p->layers) + " layers, " + std::to_string(p->streams) +
+                   " streams; expected " + std::to_string(prompt_tokens) + ", " +
+                   std::to_string(layers) + ", " + std::to_string(Plan::streams));
       else if (!preamble) {  // a resend repeats it: the first one counts
         preamble = p;
         preamble_at = seg.arrival;
@@ -173,12 +187,17 @@ decode_result run_decode_node(const ll::weights& w, int prompt_tokens, Receiver&
     try {
       const lynx::segment_header h = lynx::peek_header(seg.bytes);
       id = {h.layer, h.stream, h.generation};
-      if (h.magic != lynx::segment_magic) lynx::detail::fail(lynx::errc::bad_magic, "not a Lynx segment");
+      if (h.magic != lynx::segment_magic)
+        lynx::detail::fail(lynx::errc::bad_magic, "not a Lynx segment");
       if (h.layer >= static_cast<std::uint32_t>(layers))
-        lynx::detail::fail(lynx::errc::layer_mismatch, "layer " + std::to_string(h.layer) + " of a " + std::to_string(layers) + "-layer model");
+        lynx::detail::fail(lynx::errc::layer_mismatch, "layer " + std::to_string(h.layer) +
+                                                           " of a " + std::to_string(layers) +
+                                                           "-layer model");
       const auto verdict = tensors[h.layer].accept(seg.bytes);
-      if (verdict == lynx::accept_result::duplicate) ++res.duplicates;
-      else ++res.segments_accepted;
+      if (verdict == lynx::accept_result::duplicate)
+        ++res.duplicates;
+      else
+        ++res.segments_accepted;
     } catch (const lynx::error& e) {
       reject(id, seg.lane, e.code(), e.what());
       rx->release(seg);
@@ -193,7 +212,8 @@ decode_result run_decode_node(const ll::weights& w, int prompt_tokens, Receiver&
     std::vector<lynx::segment_id> m;
     for (int l = 0; l < layers; ++l)
       for (int s = 0; s < Plan::streams; ++s)
-        if (!tensors[static_cast<std::size_t>(l)].has_stream(s)) m.push_back({static_cast<std::uint32_t>(l), s, o.generation});
+        if (!tensors[static_cast<std::size_t>(l)].has_stream(s))
+          m.push_back({static_cast<std::uint32_t>(l), s, o.generation});
     return m;
   };
 
@@ -207,7 +227,8 @@ decode_result run_decode_node(const ll::weights& w, int prompt_tokens, Receiver&
   auto on_failure = [&](lynx::errc status, const std::string& what) {
     const time_point now = clock::now();
     transfer_failure f{status, what, -1, o.failure.policy};
-    f.at = std::chrono::duration<double>(now - start).count();  // rebased on the request's timeline below
+    f.at = std::chrono::duration<double>(now - start)
+               .count();  // rebased on the request's timeline below
     lynx::failure_policy policy = o.failure.policy;
     if (policy == lynx::failure_policy::rerequest) {
       if (attempts < o.failure.max_rerequests && hooks.rerequest) {
@@ -243,13 +264,18 @@ decode_result run_decode_node(const ll::weights& w, int prompt_tokens, Receiver&
     if (link_done || failed) return;
     const time_point now = clock::now();
     if (now >= request_deadline) {
-      res.failures.push_back({lynx::errc::timeout, "the request deadline passed", std::chrono::duration<double>(now - start).count(),
+      res.failures.push_back({lynx::errc::timeout, "the request deadline passed",
+                              std::chrono::duration<double>(now - start).count(),
                               lynx::failure_policy::fail_request});
       give_up("the request deadline passed");
     } else if (level == 0 && now >= anchor_deadline) {
-      on_failure(lynx::errc::timeout, "the anchor deadline passed with " + std::to_string(missing_segments().size()) + " segments missing");
+      on_failure(lynx::errc::timeout, "the anchor deadline passed with " +
+                                          std::to_string(missing_segments().size()) +
+                                          " segments missing");
     } else if (level > 0 && now >= residual_deadline) {
-      on_failure(lynx::errc::timeout, "the residual deadline passed with " + std::to_string(missing_segments().size()) + " segments missing");
+      on_failure(lynx::errc::timeout, "the residual deadline passed with " +
+                                          std::to_string(missing_segments().size()) +
+                                          " segments missing");
     }
   };
 
@@ -260,7 +286,8 @@ decode_result run_decode_node(const ll::weights& w, int prompt_tokens, Receiver&
       return true;
     }
     if (r.status == lynx::errc::timeout) return false;
-    if (r.status == lynx::errc::corrupted_segment) {  // a framing error, reported once; the link state follows
+    if (r.status ==
+        lynx::errc::corrupted_segment) {  // a framing error, reported once; the link state follows
       reject({}, 0, r.status, "the transport refused a frame");
       return true;
     }
@@ -279,7 +306,8 @@ decode_result run_decode_node(const ll::weights& w, int prompt_tokens, Receiver&
       check_deadlines();
       if (failed) break;
     } else if (clock::now() >= request_deadline) {
-      res.failures.push_back({lynx::errc::timeout, "the request deadline passed", -1, lynx::failure_policy::fail_request});
+      res.failures.push_back({lynx::errc::timeout, "the request deadline passed", -1,
+                              lynx::failure_policy::fail_request});
       give_up("the request deadline passed");
       break;
     }
@@ -295,7 +323,9 @@ decode_result run_decode_node(const ll::weights& w, int prompt_tokens, Receiver&
     const lynx::step_result step = session->step();
     const time_point now = clock::now();
     if (step.kind == lynx::step_kind::idle) {
-      if (link_done) lynx::detail::fail(lynx::errc::internal, "decode node: the session waits but the link is done");
+      if (link_done)
+        lynx::detail::fail(lynx::errc::internal,
+                           "decode node: the session waits but the link is done");
       take(rx->try_receive(next_deadline()));
       continue;
     }
@@ -319,15 +349,20 @@ decode_result run_decode_node(const ll::weights& w, int prompt_tokens, Receiver&
   // Timeline: from the request's arrival at the prefill node, taken as the
   // preamble's arrival less the prefill node's time until it posted it (the preamble is 64
   // bytes: its transit is latency only); without a preamble, from this start.
-  const time_point t0 = preamble ? preamble_at - std::chrono::duration_cast<clock::duration>(std::chrono::duration<double>(preamble->prefill_seconds))
-                                 : start;
-  auto at = [&](bool happened, time_point t) { return happened ? std::chrono::duration<double>(t - t0).count() : -1.0; };
+  const time_point t0 =
+      preamble ? preamble_at - std::chrono::duration_cast<clock::duration>(
+                                   std::chrono::duration<double>(preamble->prefill_seconds))
+               : start;
+  auto at = [&](bool happened, time_point t) {
+    return happened ? std::chrono::duration<double>(t - t0).count() : -1.0;
+  };
   const double shift = std::chrono::duration<double>(start - t0).count();
   for (auto& f : res.failures)
     if (f.at >= 0) f.at += shift;
   if (preamble) res.tl.prefill_done = preamble->prefill_seconds;
   res.tl.anchor_landed = at(level_seen[1], level_at[1]);
-  res.tl.residual_landed = at(level_seen[static_cast<std::size_t>(Plan::streams)], level_at[static_cast<std::size_t>(Plan::streams)]);
+  res.tl.residual_landed = at(level_seen[static_cast<std::size_t>(Plan::streams)],
+                              level_at[static_cast<std::size_t>(Plan::streams)]);
   res.tl.first_draft = at(have_first_draft, first_draft);
   res.tl.verification_done = at(have_verification, verification);
   res.tl.first_committed = at(have_first_committed, first_committed);
@@ -337,9 +372,12 @@ decode_result run_decode_node(const ll::weights& w, int prompt_tokens, Receiver&
     res.tl.tokens.assign(session->committed().begin(), session->committed().end());
     res.stats = session->stats();
   }
-  if (failed) res.outcome = lynx::request_outcome::failed;
-  else if (session && session->unverified()) res.outcome = lynx::request_outcome::completed_unverified;
-  else res.outcome = lynx::request_outcome::completed;
+  if (failed)
+    res.outcome = lynx::request_outcome::failed;
+  else if (session && session->unverified())
+    res.outcome = lynx::request_outcome::completed_unverified;
+  else
+    res.outcome = lynx::request_outcome::completed;
   return res;
 }
 
@@ -348,7 +386,8 @@ decode_result run_decode_node(const ll::weights& w, int prompt_tokens, Receiver&
 /// all planes, the exactness reference; 1: the anchor alone): `count` tokens,
 /// the prefill's own first. Computed locally, for checking a decode node.
 template <lynx::stream_plan_type Plan>
-std::vector<int> plain_greedy_reference(const ll::weights& w, const std::vector<int>& prompt, int count, int level = Plan::streams) {
+std::vector<int> plain_greedy_reference(const ll::weights& w, const std::vector<int>& prompt,
+                                        int count, int level = Plan::streams) {
   ll::engine<> prefill(w);
   const int first = ll::argmax(prefill.prefill(prompt));
   const auto encoded = ll::encode_prompt<Plan>(prefill);

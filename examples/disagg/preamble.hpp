@@ -23,8 +23,9 @@ struct request_preamble {
   std::int32_t prompt_tokens = 0;
   std::int32_t first_token = 0;  // the prefill node's token from the prompt's last logits (exact)
   std::int32_t layers = 0;
-  std::int32_t streams = 0;       // streams of the plan the segments use
-  double prefill_seconds = 0;     // request arrival -> preamble posted at the prefill node: the decode side's timeline starts that long before arrival
+  std::int32_t streams = 0;    // streams of the plan the segments use
+  double prefill_seconds = 0;  // request arrival -> preamble posted at the prefill node: the decode
+                               // side's timeline starts that long before arrival
   std::uint64_t reserved[3] = {};
 };
 static_assert(sizeof(request_preamble) == 64, "the preamble is 64 bytes on the wire");

@@ -48,8 +48,10 @@ struct prefill_report {
 
 /// Runs the prefill node's side of one request over `sender`.
 template <lynx::stream_plan_type Plan, lynx::segment_sender Sender>
-prefill_report run_prefill_node(Sender& sender, const ll::weights& w, std::vector<int> prompt, const prefill_node_options<Sender>& o) {
-  static_assert(std::is_same_v<typename Sender::clock, std::chrono::steady_clock>, "run_prefill_node: a wall-clock transport");
+prefill_report run_prefill_node(Sender& sender, const ll::weights& w, std::vector<int> prompt,
+                                const prefill_node_options<Sender>& o) {
+  static_assert(std::is_same_v<typename Sender::clock, std::chrono::steady_clock>,
+                "run_prefill_node: a wall-clock transport");
   using clock = std::chrono::steady_clock;
   const auto t0 = clock::now();
   const auto deadline = t0 + o.deadline;
@@ -70,8 +72,10 @@ prefill_report run_prefill_node(Sender& sender, const ll::weights& w, std::vecto
   p.layers = layers;
   p.streams = Plan::streams;
   p.prefill_seconds = report.prefill_done;
-  const std::vector<std::byte> preamble = to_bytes(p);  // alive until return: past its final completion
-  const lynx::post_result posted = sender.post({preamble, {0, 0, o.generation}, lynx::anchor_lane, 0});
+  const std::vector<std::byte> preamble =
+      to_bytes(p);  // alive until return: past its final completion
+  const lynx::post_result posted =
+      sender.post({preamble, {0, 0, o.generation}, lynx::anchor_lane, 0});
   if (!posted.ok()) {
     report.status = posted.status;
     report.error = "posting the request preamble failed";
@@ -90,7 +94,8 @@ prefill_report run_prefill_node(Sender& sender, const ll::weights& w, std::vecto
   int anchors_left = 0;
   for (int l = 0; l < layers; ++l) anchors_left += wanted(static_cast<std::uint32_t>(l), 0);
   scheduler.on_release([&](const lynx::segment_record<clock>& r) {
-    if (r.delivered && r.id.generation == o.generation && r.id.stream == 0 && --anchors_left == 0) report.anchors_delivered = since(r.final_at);
+    if (r.delivered && r.id.generation == o.generation && r.id.stream == 0 && --anchors_left == 0)
+      report.anchors_delivered = since(r.final_at);
     if (o.on_final) o.on_final(r);
   });
 
@@ -100,9 +105,10 @@ prefill_report run_prefill_node(Sender& sender, const ll::weights& w, std::vecto
     // Layer l's header over layer l+1's data: if it were ever applied, the tokens would change.
     const int source = (l + 1) % layers;
     lynx::encode_options eo{o.generation - 1, 1};
-    stale.push_back(lynx::encode<Plan, 32, float>(lynx::token_major<const float>(cache.prompt_keys(source).data(), shape),
-                                                   lynx::token_major<const float>(cache.prompt_values(source).data(), shape),
-                                                   static_cast<std::uint32_t>(l), eo));
+    stale.push_back(lynx::encode<Plan, 32, float>(
+        lynx::token_major<const float>(cache.prompt_keys(source).data(), shape),
+        lynx::token_major<const float>(cache.prompt_values(source).data(), shape),
+        static_cast<std::uint32_t>(l), eo));
     scheduler.submit(stale.back().segment(0));
     report.bytes_sent += stale.back().segment(0).size();
   }
@@ -111,9 +117,10 @@ prefill_report run_prefill_node(Sender& sender, const ll::weights& w, std::vecto
     lynx::encode_options eo;
     eo.generation = o.generation;
     eo.threads = o.encode_threads;
-    encoded.push_back(lynx::encode<Plan, 32, float>(lynx::token_major<const float>(cache.prompt_keys(l).data(), shape),
-                                                     lynx::token_major<const float>(cache.prompt_values(l).data(), shape),
-                                                     static_cast<std::uint32_t>(l), eo));
+    encoded.push_back(lynx::encode<Plan, 32, float>(
+        lynx::token_major<const float>(cache.prompt_keys(l).data(), shape),
+        lynx::token_major<const float>(cache.prompt_values(l).data(), shape),
+        static_cast<std::uint32_t>(l), eo));
     for (int s = 0; s < Plan::streams; ++s) {
       if (!wanted(static_cast<std::uint32_t>(l), s)) continue;
       scheduler.submit(encoded.back().segment(s));
@@ -124,8 +131,11 @@ prefill_report run_prefill_node(Sender& sender, const ll::weights& w, std::vecto
   }
   report.encode_done = since(clock::now());
   report.status = scheduler.run(deadline);
-  if (report.status == lynx::errc::ok) report.all_delivered = since(clock::now());
-  else report.error = std::string("the transfer ended with ") + std::string(lynx::to_string(report.status));
+  if (report.status == lynx::errc::ok)
+    report.all_delivered = since(clock::now());
+  else
+    report.error =
+        std::string("the transfer ended with ") + std::string(lynx::to_string(report.status));
   return report;
 }
 

@@ -36,10 +36,12 @@ inline void print_table(const std::vector<timeline>& runs, const char* bytes_lab
   row("residual landed (all layers)", [](const timeline& r) { return ms(r.residual_landed); });
   row("verification done", [](const timeline& r) { return ms(r.verification_done); });
   row("  drafts accepted", [](const timeline& r) {
-    return r.verified_drafts || r.verification_done >= 0 ? std::to_string(r.accepted_drafts) + " of " + std::to_string(r.verified_drafts)
-                                                          : std::string("-");
+    return r.verified_drafts || r.verification_done >= 0
+               ? std::to_string(r.accepted_drafts) + " of " + std::to_string(r.verified_drafts)
+               : std::string("-");
   });
-  row("first committed token after prefill's", [](const timeline& r) { return ms(r.first_committed); });
+  row("first committed token after prefill's",
+      [](const timeline& r) { return ms(r.first_committed); });
   row("all tokens committed", [](const timeline& r) { return ms(r.all_committed); });
 }
 

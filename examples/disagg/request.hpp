@@ -29,9 +29,9 @@ namespace lynx_examples::disagg {
 namespace ll = lynx_examples::llama2c;
 
 struct link_config {
-  double gbit_per_s = 0.01;               // link bandwidth
-  double latency_us = 50;                 // one way
-  int lanes = 1;                          // 1: one shared link, strict priority; 2: a lane per stream kind
+  double gbit_per_s = 0.01;  // link bandwidth
+  double latency_us = 50;    // one way
+  int lanes = 1;             // 1: one shared link, strict priority; 2: a lane per stream kind
   std::size_t residual_window = 256 << 10;  // residual bytes in flight at once
 };
 
@@ -46,8 +46,8 @@ struct request_config {
 /// -1: the event did not happen (e.g. no draft in a blocking transfer).
 struct timeline {
   std::string name;
-  double prefill_done = -1, encode_done = -1, anchor_landed = -1, first_draft = -1, residual_landed = -1, verification_done = -1,
-         first_committed = -1, all_committed = -1;
+  double prefill_done = -1, encode_done = -1, anchor_landed = -1, first_draft = -1,
+         residual_landed = -1, verification_done = -1, first_committed = -1, all_committed = -1;
   std::int64_t verified_drafts = 0, accepted_drafts = 0;
   std::uint64_t bytes_sent = 0;
   std::vector<int> tokens;  // committed tokens
@@ -82,7 +82,8 @@ inline lynx::virtual_duration virtual_seconds(double s) {
 inline lynx::simulated_link_options link_options(const link_config& c) {
   const auto bps = static_cast<std::uint64_t>(c.gbit_per_s * 1e9 / 8);
   const auto latency = virtual_seconds(c.latency_us * 1e-6);
-  return c.lanes == 2 ? lynx::simulated_link_options::two_lanes(bps, latency) : lynx::simulated_link_options::one_lane(bps, latency);
+  return c.lanes == 2 ? lynx::simulated_link_options::two_lanes(bps, latency)
+                      : lynx::simulated_link_options::one_lane(bps, latency);
 }
 
 /// Sends `streams_sent` streams of `Plan` (all of them for Lynx and blocking 8-bit,
@@ -90,8 +91,10 @@ inline lynx::simulated_link_options link_options(const link_config& c) {
 /// the highest level sent. With one stream sent, the session decodes exactly at
 /// that level as soon as the whole cache has landed: the blocking baseline.
 template <lynx::stream_plan_type Plan>
-timeline run_request(const ll::weights& w, const prefill_result& pre, const request_config& cfg, int streams_sent, std::string name) {
-  if (streams_sent < 1 || streams_sent > Plan::streams) throw std::invalid_argument("run_request: streams_sent out of range");
+timeline run_request(const ll::weights& w, const prefill_result& pre, const request_config& cfg,
+                     int streams_sent, std::string name) {
+  if (streams_sent < 1 || streams_sent > Plan::streams)
+    throw std::invalid_argument("run_request: streams_sent out of range");
   timeline tl;
   tl.name = std::move(name);
   tl.prefill_done = pre.seconds;
@@ -99,7 +102,8 @@ timeline run_request(const ll::weights& w, const prefill_result& pre, const requ
   const int layers = w.cfg().n_layers;
 
   lynx::simulated_link link(link_options(cfg.link));
-  lynx::stream_scheduler scheduler(link.sender(), lynx::scheduler_options{cfg.link.residual_window});
+  lynx::stream_scheduler scheduler(link.sender(),
+                                   lynx::scheduler_options{cfg.link.residual_window});
   link.on_step([&] { scheduler.progress(); });
 
   // Prefill node: encode each layer (measured) and hand it to the scheduler at
@@ -111,9 +115,10 @@ timeline run_request(const ll::weights& w, const prefill_result& pre, const requ
   const lynx::kv_shape shape{prompt_tokens, cache.n_kv_heads(), cache.head_dim()};
   for (int l = 0; l < layers; ++l) {
     const auto t0 = std::chrono::steady_clock::now();
-    encoded.push_back(lynx::encode<Plan, 32, float>(lynx::token_major<const float>(cache.prompt_keys(l).data(), shape),
-                                                     lynx::token_major<const float>(cache.prompt_values(l).data(), shape),
-                                                     static_cast<std::uint32_t>(l), {0, cfg.encode_threads}));
+    encoded.push_back(lynx::encode<Plan, 32, float>(
+        lynx::token_major<const float>(cache.prompt_keys(l).data(), shape),
+        lynx::token_major<const float>(cache.prompt_values(l).data(), shape),
+        static_cast<std::uint32_t>(l), {0, cfg.encode_threads}));
     t += seconds_since(t0);
     link.advance_to(lynx::virtual_time(virtual_seconds(t)));
     for (int s = 0; s < streams_sent; ++s) {
@@ -130,7 +135,8 @@ timeline run_request(const ll::weights& w, const prefill_result& pre, const requ
   lynx::session_options options;
   options.max_draft = cfg.max_draft;
   options.max_new_tokens = cfg.committed_tokens;
-  lynx::progressive_session session(engine, lynx::greedy_verifier{}, streams_sent, prompt_tokens, pre.first_token, options);
+  lynx::progressive_session session(engine, lynx::greedy_verifier{}, streams_sent, prompt_tokens,
+                                    pre.first_token, options);
   std::vector<double> level_time(static_cast<std::size_t>(streams_sent) + 1, -1.0);
   auto& receiver = link.receiver();
   double now = std::max(t, lynx::to_seconds(link.now()));
@@ -146,7 +152,8 @@ timeline run_request(const ll::weights& w, const prefill_result& pre, const requ
       int level = streams_sent;
       for (const auto& tensor : tensors) level = std::min(level, tensor.precision_level());
       for (int l = 1; l <= level; ++l)
-        if (level_time[static_cast<std::size_t>(l)] < 0) level_time[static_cast<std::size_t>(l)] = arrived;
+        if (level_time[static_cast<std::size_t>(l)] < 0)
+          level_time[static_cast<std::size_t>(l)] = arrived;
       if (level > session.available_level()) session.set_available_level(level);
     }
   };
@@ -157,7 +164,9 @@ timeline run_request(const ll::weights& w, const prefill_result& pre, const requ
     const auto t0 = std::chrono::steady_clock::now();
     const lynx::step_result step = session.step();
     if (step.kind == lynx::step_kind::idle) {
-      if (!link.step()) throw std::runtime_error("run_request: the session waits for planes the link will never deliver");
+      if (!link.step())
+        throw std::runtime_error(
+            "run_request: the session waits for planes the link will never deliver");
       now = std::max(now, lynx::to_seconds(link.now()));
       continue;
     }
@@ -182,7 +191,8 @@ timeline run_request(const ll::weights& w, const prefill_result& pre, const requ
 /// Blocking bf16: every layer's K and V as raw bf16 (2 bytes per element, no
 /// quantization), sent whole; decoding starts when the last byte has landed and
 /// attends a bf16-rounded fp32 cache.
-inline timeline run_blocking_bf16(const ll::weights& w, const prefill_result& pre, const request_config& cfg) {
+inline timeline run_blocking_bf16(const ll::weights& w, const prefill_result& pre,
+                                  const request_config& cfg) {
   timeline tl;
   tl.name = "blocking bf16";
   tl.prefill_done = pre.seconds;
@@ -198,9 +208,12 @@ inline timeline run_blocking_bf16(const ll::weights& w, const prefill_result& pr
     for (const float x : cache.prompt_values(l)) buf.push_back(lynx::bf16(x));
     t += seconds_since(t0);
     link.advance_to(lynx::virtual_time(virtual_seconds(t)));
-    const std::span<const std::byte> bytes(reinterpret_cast<const std::byte*>(buf.data()), buf.size() * sizeof(lynx::bf16));
-    const auto posted = link.sender().post({bytes, {static_cast<std::uint32_t>(l), 0, 0}, lynx::anchor_lane, 0});
-    if (posted.status != lynx::errc::ok) throw lynx::error(posted.status, "blocking bf16: post failed");
+    const std::span<const std::byte> bytes(reinterpret_cast<const std::byte*>(buf.data()),
+                                           buf.size() * sizeof(lynx::bf16));
+    const auto posted =
+        link.sender().post({bytes, {static_cast<std::uint32_t>(l), 0, 0}, lynx::anchor_lane, 0});
+    if (posted.status != lynx::errc::ok)
+      throw lynx::error(posted.status, "blocking bf16: post failed");
     tl.bytes_sent += bytes.size();
   }
   tl.encode_done = t;
@@ -216,7 +229,8 @@ inline timeline run_blocking_bf16(const ll::weights& w, const prefill_result& pr
     auto keys = engine.cache().prompt_keys(l);
     auto values = engine.cache().prompt_values(l);
     for (std::size_t i = 0; i < keys.size(); ++i) keys[i] = static_cast<float>(buf[i]);
-    for (std::size_t i = 0; i < values.size(); ++i) values[i] = static_cast<float>(buf[keys.size() + i]);
+    for (std::size_t i = 0; i < values.size(); ++i)
+      values[i] = static_cast<float>(buf[keys.size() + i]);
   }
   double now = std::max(t, landed);
   tl.tokens.push_back(pre.first_token);

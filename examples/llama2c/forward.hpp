@@ -92,8 +92,11 @@ class kv_cache {
  public:
   kv_cache() = default;
   explicit kv_cache(const config& c)
-      : n_layers_(c.n_layers), n_kv_heads_(c.n_kv_heads), head_dim_(c.head_size()),
-        seq_len_(c.seq_len), prompt_k_(static_cast<std::size_t>(c.n_layers)),
+      : n_layers_(c.n_layers),
+        n_kv_heads_(c.n_kv_heads),
+        head_dim_(c.head_size()),
+        seq_len_(c.seq_len),
+        prompt_k_(static_cast<std::size_t>(c.n_layers)),
         prompt_v_(static_cast<std::size_t>(c.n_layers)),
         tail_k_(static_cast<std::size_t>(c.n_layers)),
         tail_v_(static_cast<std::size_t>(c.n_layers)) {}
@@ -109,14 +112,24 @@ class kv_cache {
 
   // [prompt_length, n_kv_heads, head_dim]
   [[nodiscard]] std::span<float> prompt_keys(int l) { return region(prompt_k_, l, prompt_length_); }
-  [[nodiscard]] std::span<float> prompt_values(int l) { return region(prompt_v_, l, prompt_length_); }
-  [[nodiscard]] std::span<const float> prompt_keys(int l) const { return region(prompt_k_, l, prompt_length_); }
-  [[nodiscard]] std::span<const float> prompt_values(int l) const { return region(prompt_v_, l, prompt_length_); }
+  [[nodiscard]] std::span<float> prompt_values(int l) {
+    return region(prompt_v_, l, prompt_length_);
+  }
+  [[nodiscard]] std::span<const float> prompt_keys(int l) const {
+    return region(prompt_k_, l, prompt_length_);
+  }
+  [[nodiscard]] std::span<const float> prompt_values(int l) const {
+    return region(prompt_v_, l, prompt_length_);
+  }
   // [tail_length, n_kv_heads, head_dim]
   [[nodiscard]] std::span<float> tail_keys(int l) { return region(tail_k_, l, tail_length_); }
   [[nodiscard]] std::span<float> tail_values(int l) { return region(tail_v_, l, tail_length_); }
-  [[nodiscard]] std::span<const float> tail_keys(int l) const { return region(tail_k_, l, tail_length_); }
-  [[nodiscard]] std::span<const float> tail_values(int l) const { return region(tail_v_, l, tail_length_); }
+  [[nodiscard]] std::span<const float> tail_keys(int l) const {
+    return region(tail_k_, l, tail_length_);
+  }
+  [[nodiscard]] std::span<const float> tail_values(int l) const {
+    return region(tail_v_, l, tail_length_);
+  }
 
   // Starts a new sequence with a prompt of n tokens (contents to be written)
   // and an empty tail. Allocates here, not on the decode path: the tail gets
@@ -142,8 +155,8 @@ class kv_cache {
   int grow_tail(int n) {
     if (n < 0 || length() + n > seq_len_)
       throw std::out_of_range("llama2c: cannot append " + std::to_string(n) +
-                              " tokens to a cache holding " + std::to_string(length()) +
-                              " of " + std::to_string(seq_len_) + " positions");
+                              " tokens to a cache holding " + std::to_string(length()) + " of " +
+                              std::to_string(seq_len_) + " positions");
     const int first = tail_length_;
     tail_length_ += n;
     return first;
@@ -152,8 +165,8 @@ class kv_cache {
   // Drops the last n tail entries (rejected drafts).
   void truncate_tail(int n) {
     if (n < 0 || n > tail_length_)
-      throw std::out_of_range("llama2c: cannot drop " + std::to_string(n) +
-                              " tail tokens of " + std::to_string(tail_length_));
+      throw std::out_of_range("llama2c: cannot drop " + std::to_string(n) + " tail tokens of " +
+                              std::to_string(tail_length_));
     tail_length_ -= n;
   }
 
@@ -191,9 +204,11 @@ class kv_cache {
 // the batch and of the call order) for the engine to stay batch invariant.
 // The engine calls it with a non-const reference, so it may keep scratch.
 template <class P>
-concept attention_policy =
-    requires(P& p, const kv_cache& cache, int layer, std::span<const float> q, int tail_visible,
-             std::span<float> out) { p(cache, layer, q, tail_visible, out); };
+concept attention_policy = requires(P& p, const kv_cache& cache, int layer,
+                                    std::span<const float> q, int tail_visible,
+                                    std::span<float> out) {
+  p(cache, layer, q, tail_visible, out);
+};
 
 namespace detail {
 
@@ -209,9 +224,8 @@ struct kv_range {
   int tokens;
 };
 
-inline void exact_attend(std::span<const kv_range> ranges, const float* q, float* out,
-                         int n_heads, int kv_group, int head_dim, int token_stride,
-                         float* scores) {
+inline void exact_attend(std::span<const kv_range> ranges, const float* q, float* out, int n_heads,
+                         int kv_group, int head_dim, int token_stride, float* scores) {
   const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
   for (int h = 0; h < n_heads; ++h) {
     const float* qh = q + static_cast<std::ptrdiff_t>(h) * head_dim;
@@ -223,7 +237,8 @@ inline void exact_attend(std::span<const kv_range> ranges, const float* q, float
       for (int t = 0; t < r.tokens; ++t) {
         const float s =
             head_dot(qh, r.keys + static_cast<std::ptrdiff_t>(t) * token_stride + kv_offset,
-                     head_dim) * scale;
+                     head_dim) *
+            scale;
         scores[n++] = s;
         max_score = s > max_score ? s : max_score;
       }
@@ -257,8 +272,7 @@ class exact_attention {
     const int n_heads = static_cast<int>(q.size()) / head_dim;
     scores_.resize(static_cast<std::size_t>(cache.prompt_length() + tail_visible));
     const detail::kv_range ranges[2] = {
-        {cache.prompt_keys(layer).data(), cache.prompt_values(layer).data(),
-         cache.prompt_length()},
+        {cache.prompt_keys(layer).data(), cache.prompt_values(layer).data(), cache.prompt_length()},
         {cache.tail_keys(layer).data(), cache.tail_values(layer).data(), tail_visible}};
     detail::exact_attend(ranges, q.data(), out.data(), n_heads, n_heads / cache.n_kv_heads(),
                          head_dim, cache.token_stride(), scores_.data());
@@ -300,8 +314,8 @@ class engine {
     // [seq_len, head_size / 2] x (cos, sin), as llama2.c computes them per call.
     for (int p = 0; p < c.seq_len; ++p)
       for (int i = 0; i < half; ++i) {
-        const float freq =
-            1.0f / std::pow(10000.0f, static_cast<float>(2 * i) / static_cast<float>(c.head_size()));
+        const float freq = 1.0f / std::pow(10000.0f, static_cast<float>(2 * i) /
+                                                         static_cast<float>(c.head_size()));
         const float angle = static_cast<float>(p) * freq;
         rope_[(static_cast<std::size_t>(p) * half + i) * 2] = std::cos(angle);
         rope_[(static_cast<std::size_t>(p) * half + i) * 2 + 1] = std::sin(angle);
@@ -372,8 +386,8 @@ class engine {
       attention_(std::as_const(cache_), l, std::span<const float>(q, width), first_tail + t + 1,
                  std::span<float>(out, width));
     };
-    const std::size_t offset = static_cast<std::size_t>(first_tail) *
-                               static_cast<std::size_t>(cache_.token_stride());
+    const std::size_t offset =
+        static_cast<std::size_t>(first_tail) * static_cast<std::size_t>(cache_.token_stride());
     auto kv_rows = [&](int l) {
       return std::pair{cache_.tail_keys(l).data() + offset, cache_.tail_values(l).data() + offset};
     };
@@ -409,7 +423,8 @@ class engine {
   };
 
   void check_logits(std::span<float> logits, int rows) const {
-    const std::size_t want = static_cast<std::size_t>(rows) * static_cast<std::size_t>(cfg().vocab_size);
+    const std::size_t want =
+        static_cast<std::size_t>(rows) * static_cast<std::size_t>(cfg().vocab_size);
     if (logits.size() != want)
       throw std::invalid_argument("llama2c: logits span has " + std::to_string(logits.size()) +
                                   " floats, expected " + std::to_string(want));
@@ -435,8 +450,8 @@ class engine {
   // attend(l, j, q, out) computes token j's attention once its KV is written.
   // Logits are written for tokens logits_from .. k-1.
   template <class KvRows, class Attend>
-  void forward(std::span<const int> tokens, int first_position, KvRows&& kv_rows,
-               Attend&& attend, std::span<float> logits, int logits_from) {
+  void forward(std::span<const int> tokens, int first_position, KvRows&& kv_rows, Attend&& attend,
+               std::span<float> logits, int logits_from) {
     const config& c = cfg();
     const weights& w = *model_;
     const int k = static_cast<int>(tokens.size());
@@ -457,7 +472,8 @@ class engine {
     const float* embedding = w.token_embedding().data();
     for (int t = 0; t < k; ++t)
       for (int i = 0; i < dim; ++i)
-        row(s.x, t, dim)[i] = embedding[static_cast<std::ptrdiff_t>(tokens[static_cast<std::size_t>(t)]) * dim + i];
+        row(s.x, t, dim)[i] =
+            embedding[static_cast<std::ptrdiff_t>(tokens[static_cast<std::size_t>(t)]) * dim + i];
 
     for (int l = 0; l < c.n_layers; ++l) {
       // Attention block: xb = rmsnorm(x); q, k, v = W xb; RoPE; x += wo attention.
@@ -492,7 +508,8 @@ class engine {
     const int out_tokens = k - logits_from;
     for (int t = 0; t < out_tokens; ++t)
       detail::rmsnorm(row(s.xb, t, dim), row(s.x, logits_from + t, dim), w.rms_final().data(), dim);
-    detail::matmul(logits.data(), s.xb.data(), w.classifier().data(), out_tokens, c.vocab_size, dim);
+    detail::matmul(logits.data(), s.xb.data(), w.classifier().data(), out_tokens, c.vocab_size,
+                   dim);
   }
 
   const weights* model_;

@@ -25,24 +25,28 @@ using prompt_tensors = std::vector<lynx::bitplane_tensor<Plan, G, lynx::host_spa
 
 /// One tensor per layer of the model's prompt KV, ready to receive segments.
 template <lynx::stream_plan_type Plan, int G = 32>
-prompt_tensors<Plan, G> make_prompt_tensors(const config& c, int prompt_tokens, std::uint64_t generation = 0) {
+prompt_tensors<Plan, G> make_prompt_tensors(const config& c, int prompt_tokens,
+                                            std::uint64_t generation = 0) {
   prompt_tensors<Plan, G> t;
   t.reserve(static_cast<std::size_t>(c.n_layers));
   for (int l = 0; l < c.n_layers; ++l)
-    t.emplace_back(lynx::kv_shape{prompt_tokens, c.n_kv_heads, c.head_size()}, static_cast<std::uint32_t>(l), generation);
+    t.emplace_back(lynx::kv_shape{prompt_tokens, c.n_kv_heads, c.head_size()},
+                   static_cast<std::uint32_t>(l), generation);
   return t;
 }
 
 /// The prompt KV of a prefilled engine, encoded layer by layer (the prefill node's work).
 template <lynx::stream_plan_type Plan, int G = 32, class Attention>
-std::vector<lynx::encoded_layer<Plan, G>> encode_prompt(const engine<Attention>& e, const lynx::encode_options& options = {}) {
+std::vector<lynx::encoded_layer<Plan, G>> encode_prompt(const engine<Attention>& e,
+                                                        const lynx::encode_options& options = {}) {
   const kv_cache& cache = e.cache();
   const lynx::kv_shape shape{cache.prompt_length(), cache.n_kv_heads(), cache.head_dim()};
   std::vector<lynx::encoded_layer<Plan, G>> layers;
   for (int l = 0; l < cache.n_layers(); ++l)
-    layers.push_back(lynx::encode<Plan, G, float>(lynx::token_major<const float>(cache.prompt_keys(l).data(), shape),
-                                                  lynx::token_major<const float>(cache.prompt_values(l).data(), shape),
-                                                  static_cast<std::uint32_t>(l), options));
+    layers.push_back(lynx::encode<Plan, G, float>(
+        lynx::token_major<const float>(cache.prompt_keys(l).data(), shape),
+        lynx::token_major<const float>(cache.prompt_values(l).data(), shape),
+        static_cast<std::uint32_t>(l), options));
   return layers;
 }
 
@@ -50,23 +54,31 @@ std::vector<lynx::encoded_layer<Plan, G>> encode_prompt(const engine<Attention>&
 template <lynx::stream_plan_type Plan, int G = 32>
 class lynx_prompt_attention {
  public:
-  explicit lynx_prompt_attention(const prompt_tensors<Plan, G>* prompt = nullptr) : prompt_(prompt) {}
+  explicit lynx_prompt_attention(const prompt_tensors<Plan, G>* prompt = nullptr)
+      : prompt_(prompt) {}
 
   int level = 1;  // precision level the prompt is read at
 
-  void operator()(const kv_cache& cache, int layer, std::span<const float> q, int tail_visible, std::span<float> out) {
-    if (prompt_ == nullptr) throw std::logic_error("lynx_prompt_attention: no prompt tensors attached");
+  void operator()(const kv_cache& cache, int layer, std::span<const float> q, int tail_visible,
+                  std::span<float> out) {
+    if (prompt_ == nullptr)
+      throw std::logic_error("lynx_prompt_attention: no prompt tensors attached");
     const auto& tensor = (*prompt_)[static_cast<std::size_t>(layer)];
     const auto view = tensor.view_at(level);
     const lynx::kv_shape tail_shape{cache.tail_length(), cache.n_kv_heads(), cache.head_dim()};
-    const auto tail_keys = lynx::token_major<const float>(cache.tail_keys(layer).data(), tail_shape);
-    const auto tail_values = lynx::token_major<const float>(cache.tail_values(layer).data(), tail_shape);
-    const lynx::attention_queries queries{q.data(), 1, static_cast<std::int64_t>(q.size()) / cache.head_dim(), cache.head_dim()};
+    const auto tail_keys =
+        lynx::token_major<const float>(cache.tail_keys(layer).data(), tail_shape);
+    const auto tail_values =
+        lynx::token_major<const float>(cache.tail_values(layer).data(), tail_shape);
+    const lynx::attention_queries queries{
+        q.data(), 1, static_cast<std::int64_t>(q.size()) / cache.head_dim(), cache.head_dim()};
     const lynx::tail_visibility visible{tail_visible - 1, 1};
     const auto problem = lynx::decode_attention<>::problem(view, tail_keys, queries, visible);
     // Grows only when the context outgrows it: amortized, not on every call.
-    if (workspace_.size() < lynx::attention_workspace::bytes_needed(problem, 1)) workspace_.reserve(problem, 1);
-    attention_(view, tail_keys, tail_values, queries, visible, lynx::attention_output{out.data(), nullptr}, workspace_);
+    if (workspace_.size() < lynx::attention_workspace::bytes_needed(problem, 1))
+      workspace_.reserve(problem, 1);
+    attention_(view, tail_keys, tail_values, queries, visible,
+               lynx::attention_output{out.data(), nullptr}, workspace_);
   }
 
  private:
@@ -79,10 +91,12 @@ class lynx_prompt_attention {
 template <lynx::stream_plan_type Plan, int G = 32>
 class lynx_decode_engine {
  public:
-  lynx_decode_engine(const weights& model, const prompt_tensors<Plan, G>& prompt, int prompt_tokens, int max_batch = 16)
+  lynx_decode_engine(const weights& model, const prompt_tensors<Plan, G>& prompt, int prompt_tokens,
+                     int max_batch = 16)
       : inner_(model, lynx_prompt_attention<Plan, G>(&prompt)) {
     if (static_cast<int>(prompt.size()) != model.cfg().n_layers)
-      throw std::invalid_argument("lynx_decode_engine: " + std::to_string(prompt.size()) + " prompt tensors for a model of " +
+      throw std::invalid_argument("lynx_decode_engine: " + std::to_string(prompt.size()) +
+                                  " prompt tensors for a model of " +
                                   std::to_string(model.cfg().n_layers) + " layers");
     inner_.begin_decode(prompt_tokens);
     inner_.reserve(max_batch);
@@ -91,7 +105,8 @@ class lynx_decode_engine {
   [[nodiscard]] std::int64_t vocab_size() const { return inner_.cfg().vocab_size; }
   [[nodiscard]] std::int64_t tail_size() const { return inner_.cache().tail_length(); }
   void drop_tail(std::int64_t n) { inner_.truncate_tail(static_cast<int>(n)); }
-  void forward(std::span<const std::int32_t> tokens, std::int64_t first_position, int level, std::span<float> logits) {
+  void forward(std::span<const std::int32_t> tokens, std::int64_t first_position, int level,
+               std::span<float> logits) {
     inner_.attention().level = level;
     inner_.reserve(static_cast<int>(tokens.size()));
     inner_.decode(tokens, static_cast<int>(first_position), logits);

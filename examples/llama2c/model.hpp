@@ -24,8 +24,8 @@ namespace lynx_examples::llama2c {
 
 // Model shape. All counts are positive; head_size = dim / n_heads.
 struct config {
-  int dim = 0;                    // residual width
-  int hidden_dim = 0;             // SwiGLU hidden width
+  int dim = 0;         // residual width
+  int hidden_dim = 0;  // SwiGLU hidden width
   int n_layers = 0;
   int n_heads = 0;                // query heads
   int n_kv_heads = 0;             // key/value heads (GQA: n_heads % n_kv_heads == 0)
@@ -47,18 +47,15 @@ namespace detail {
 // The caps keep every size computed from a header inside int64 and int.
 inline void validate_config(const config& c, const std::string& where) {
   auto fail = [&](const std::string& what) {
-    throw std::runtime_error("llama2c: " + where + ": invalid config: " + what +
-                             " (dim " + std::to_string(c.dim) + ", hidden " +
-                             std::to_string(c.hidden_dim) + ", layers " +
-                             std::to_string(c.n_layers) + ", heads " +
-                             std::to_string(c.n_heads) + ", kv heads " +
-                             std::to_string(c.n_kv_heads) + ", vocab " +
-                             std::to_string(c.vocab_size) + ", seq " +
-                             std::to_string(c.seq_len) + ")");
+    throw std::runtime_error(
+        "llama2c: " + where + ": invalid config: " + what + " (dim " + std::to_string(c.dim) +
+        ", hidden " + std::to_string(c.hidden_dim) + ", layers " + std::to_string(c.n_layers) +
+        ", heads " + std::to_string(c.n_heads) + ", kv heads " + std::to_string(c.n_kv_heads) +
+        ", vocab " + std::to_string(c.vocab_size) + ", seq " + std::to_string(c.seq_len) + ")");
   };
   constexpr int cap = 1 << 20;
-  if (c.dim <= 0 || c.hidden_dim <= 0 || c.n_layers <= 0 || c.n_heads <= 0 ||
-      c.n_kv_heads <= 0 || c.vocab_size <= 0 || c.seq_len <= 0)
+  if (c.dim <= 0 || c.hidden_dim <= 0 || c.n_layers <= 0 || c.n_heads <= 0 || c.n_kv_heads <= 0 ||
+      c.vocab_size <= 0 || c.seq_len <= 0)
     fail("every field must be positive");
   if (c.dim > cap || c.hidden_dim > cap || c.n_layers > 4096 || c.vocab_size > cap ||
       c.seq_len > cap)
@@ -70,21 +67,29 @@ inline void validate_config(const config& c, const std::string& where) {
 
 // Number of floats of each tensor family, in checkpoint order.
 struct tensor_sizes {
-  std::int64_t embedding, rms_att, wq, wk, wv, wo, rms_ffn, w1, w2, w3, rms_final,
-      classifier;
+  std::int64_t embedding, rms_att, wq, wk, wv, wo, rms_ffn, w1, w2, w3, rms_final, classifier;
 };
 
 inline tensor_sizes sizes_of(const config& c) {
   const std::int64_t d = c.dim, h = c.hidden_dim, l = c.n_layers, kv = c.kv_dim();
-  return {std::int64_t{c.vocab_size} * d, l * d, l * d * d, l * kv * d, l * kv * d,
-          l * d * d, l * d, l * h * d, l * d * h, l * h * d, d,
+  return {std::int64_t{c.vocab_size} * d,
+          l * d,
+          l * d * d,
+          l * kv * d,
+          l * kv * d,
+          l * d * d,
+          l * d,
+          l * h * d,
+          l * d * h,
+          l * h * d,
+          d,
           c.shared_classifier ? 0 : std::int64_t{c.vocab_size} * d};
 }
 
 inline std::int64_t parameter_count(const config& c) {
   const tensor_sizes s = sizes_of(c);
-  return s.embedding + s.rms_att + s.wq + s.wk + s.wv + s.wo + s.rms_ffn + s.w1 + s.w2 +
-         s.w3 + s.rms_final + s.classifier;
+  return s.embedding + s.rms_att + s.wq + s.wk + s.wv + s.wo + s.rms_ffn + s.w1 + s.w2 + s.w3 +
+         s.rms_final + s.classifier;
 }
 
 // Bytes of a checkpoint file for this config: header, tensors, legacy RoPE
@@ -131,11 +136,16 @@ class weights {
     // A negative vocab_size means "classifier stored separately"; INT32_MIN has
     // no positive counterpart and is rejected as vocab 0.
     const std::int64_t vocab = header[5];
-    config_ = {header[0], header[1], header[2], header[3], header[4],
+    config_ = {header[0],
+               header[1],
+               header[2],
+               header[3],
+               header[4],
                vocab == std::numeric_limits<std::int32_t>::min()
                    ? 0
                    : static_cast<int>(vocab < 0 ? -vocab : vocab),
-               header[6], vocab > 0};
+               header[6],
+               vocab > 0};
     detail::validate_config(config_, "checkpoint '" + name + "'");
     const std::int64_t want = detail::checkpoint_bytes(config_);
     if (file_bytes != want)
@@ -166,7 +176,8 @@ class weights {
     index_tensors();
   }
   weights(weights&& other) noexcept
-      : config_(other.config_), parameters_(std::move(other.parameters_)),
+      : config_(other.config_),
+        parameters_(std::move(other.parameters_)),
         offsets_(other.offsets_) {}
   weights& operator=(weights other) noexcept {
     config_ = other.config_;
@@ -221,11 +232,11 @@ class weights {
   void save(const std::filesystem::path& path) const {
     std::ofstream out(path, std::ios::binary | std::ios::trunc);
     if (!out) throw std::runtime_error("llama2c: cannot write checkpoint '" + path.string() + "'");
-    const std::int32_t header[7] = {config_.dim, config_.hidden_dim, config_.n_layers,
-                                    config_.n_heads, config_.n_kv_heads,
-                                    config_.shared_classifier ? config_.vocab_size
-                                                              : -config_.vocab_size,
-                                    config_.seq_len};
+    const std::int32_t header[7] = {
+        config_.dim,        config_.hidden_dim,
+        config_.n_layers,   config_.n_heads,
+        config_.n_kv_heads, config_.shared_classifier ? config_.vocab_size : -config_.vocab_size,
+        config_.seq_len};
     out.write(reinterpret_cast<const char*>(header), sizeof header);
     const detail::tensor_sizes s = detail::sizes_of(config_);
     const std::int64_t before_rope = static_cast<std::int64_t>(parameters_.size()) - s.classifier;
@@ -235,8 +246,8 @@ class weights {
     for (int part = 0; part < 2; ++part) {  // freq_cis_real then freq_cis_imag
       for (int p = 0; p < config_.seq_len; ++p)
         for (int i = 0; i < half; ++i) {
-          const float freq =
-              1.0f / std::pow(10000.0f, static_cast<float>(2 * i) / static_cast<float>(config_.head_size()));
+          const float freq = 1.0f / std::pow(10000.0f, static_cast<float>(2 * i) /
+                                                           static_cast<float>(config_.head_size()));
           const float angle = static_cast<float>(p) * freq;
           table[static_cast<std::size_t>(p) * half + i] =
               part == 0 ? std::cos(angle) : std::sin(angle);
@@ -251,14 +262,17 @@ class weights {
 
  private:
   struct tensor_offsets {
-    std::int64_t embedding, rms_att, wq, wk, wv, wo, rms_ffn, w1, w2, w3, rms_final,
-        classifier;
+    std::int64_t embedding, rms_att, wq, wk, wv, wo, rms_ffn, w1, w2, w3, rms_final, classifier;
   };
 
   void index_tensors() {
     const detail::tensor_sizes s = detail::sizes_of(config_);
     std::int64_t at = 0;
-    auto next = [&](std::int64_t size) { const std::int64_t here = at; at += size; return here; };
+    auto next = [&](std::int64_t size) {
+      const std::int64_t here = at;
+      at += size;
+      return here;
+    };
     offsets_.embedding = next(s.embedding);
     offsets_.rms_att = next(s.rms_att);
     offsets_.wq = next(s.wq);

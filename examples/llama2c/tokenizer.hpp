@@ -100,8 +100,8 @@ class tokenizer {
       const unsigned char c = static_cast<unsigned char>(text[i]);
       if ((c & 0xC0) != 0x80) code_point.clear();  // not a continuation byte: new code point
       code_point.push_back(static_cast<char>(c));
-      const bool continues = i + 1 < text.size() &&
-                             (static_cast<unsigned char>(text[i + 1]) & 0xC0) == 0x80;
+      const bool continues =
+          i + 1 < text.size() && (static_cast<unsigned char>(text[i + 1]) & 0xC0) == 0x80;
       if (continues && code_point.size() < 4) continue;
       const int id = lookup(code_point);
       if (id >= 0) {

@@ -2,6 +2,7 @@
 // The umbrella header: everything host-side. CUDA kernels: lynx/backend/cuda/*.cuh.
 #pragma once
 
+#include "lynx/attention/decode_attention.hpp"
 #include "lynx/core/buffer.hpp"
 #include "lynx/core/config.hpp"
 #include "lynx/core/dispatch.hpp"
@@ -20,7 +21,6 @@
 #include "lynx/speculation/random.hpp"
 #include "lynx/speculation/session.hpp"
 #include "lynx/speculation/verifier.hpp"
-#include "lynx/attention/decode_attention.hpp"
 #include "lynx/transport/concepts.hpp"
 #include "lynx/transport/loopback.hpp"
 #include "lynx/transport/scheduler.hpp"

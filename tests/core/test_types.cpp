@@ -49,7 +49,9 @@ std::uint16_t fp16_reference(float x) {
   if (std::isnan(x)) return 0;  // not used for NaN
   const double a = std::fabs(static_cast<double>(x));
   // positive patterns 0 .. 0x7bff are increasing; 0x7c00 stands for 65536 while rounding
-  auto value = [](std::uint32_t k) { return k == 0x7c00 ? 65536.0 : fp16_value(static_cast<std::uint16_t>(k)); };
+  auto value = [](std::uint32_t k) {
+    return k == 0x7c00 ? 65536.0 : fp16_value(static_cast<std::uint16_t>(k));
+  };
   if (a >= 65536.0) return static_cast<std::uint16_t>(sign | 0x7c00);
   std::uint32_t lo = 0, hi = 0x7c00;  // invariant: value(lo) <= a < value(hi)
   while (hi - lo > 1) {
@@ -67,10 +69,14 @@ std::uint16_t bf16_reference(float x) {
   const std::uint32_t u = to_bits(x);
   const std::uint32_t sign = u & 0x80000000u, magnitude = u & 0x7fffffffu;
   const std::uint32_t lo = magnitude & 0xffff0000u, hi = lo + 0x10000u;
-  auto value = [](std::uint32_t bits) { return bits == 0x7f800000u ? std::ldexp(1.0, 128) : static_cast<double>(from_bits(bits)); };
+  auto value = [](std::uint32_t bits) {
+    return bits == 0x7f800000u ? std::ldexp(1.0, 128) : static_cast<double>(from_bits(bits));
+  };
   const double a = static_cast<double>(from_bits(magnitude));
   const double below = a - value(lo), above = value(hi) - a;
-  const std::uint32_t pick = below < above ? lo : above < below ? hi : (((lo >> 16) & 1u) ? hi : lo);
+  const std::uint32_t pick = below < above   ? lo
+                             : above < below ? hi
+                                             : (((lo >> 16) & 1u) ? hi : lo);
   return static_cast<std::uint16_t>((sign | pick) >> 16);
 }
 
@@ -79,11 +85,15 @@ std::uint16_t bf16_reference(float x) {
 // round-to-nearest-even decides), plus the special values.
 std::vector<float> conversion_samples() {
   std::vector<float> xs;
-  for (std::uint64_t u = 0; u <= 0xffffffffu; u += 4093) xs.push_back(from_bits(static_cast<std::uint32_t>(u)));
+  for (std::uint64_t u = 0; u <= 0xffffffffu; u += 4093)
+    xs.push_back(from_bits(static_cast<std::uint32_t>(u)));
   for (std::uint32_t k = 0; k < 0x7bff; ++k) {
-    const double mid = (fp16_value(static_cast<std::uint16_t>(k)) + fp16_value(static_cast<std::uint16_t>(k + 1))) / 2;
+    const double mid = (fp16_value(static_cast<std::uint16_t>(k)) +
+                        fp16_value(static_cast<std::uint16_t>(k + 1))) /
+                       2;
     const float m = static_cast<float>(mid);
-    REQUIRE(static_cast<double>(m) == mid);  // fp16 midpoints have 12 significant bits: exact in float
+    REQUIRE(static_cast<double>(m) ==
+            mid);  // fp16 midpoints have 12 significant bits: exact in float
     for (float v : {m, std::nextafter(m, 0.0f), std::nextafter(m, 1e30f)}) {
       xs.push_back(v);
       xs.push_back(-v);
@@ -97,11 +107,24 @@ std::vector<float> conversion_samples() {
       xs.push_back(from_bits(v | 0x80000000u));
     }
   }
-  const float specials[] = {0.0f, -0.0f, 1.0f, -1.0f, 65504.0f, 65519.996f, 65520.0f, 65536.0f, 1e30f,
-                            std::numeric_limits<float>::max(), std::numeric_limits<float>::min(),
-                            std::numeric_limits<float>::denorm_min(), 5.9604644775390625e-08f /* 2^-24 */,
-                            2.98023223876953125e-08f /* 2^-25 */, 2.9802326e-08f, 6.103515625e-05f /* 2^-14 */,
-                            std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity()};
+  const float specials[] = {0.0f,
+                            -0.0f,
+                            1.0f,
+                            -1.0f,
+                            65504.0f,
+                            65519.996f,
+                            65520.0f,
+                            65536.0f,
+                            1e30f,
+                            std::numeric_limits<float>::max(),
+                            std::numeric_limits<float>::min(),
+                            std::numeric_limits<float>::denorm_min(),
+                            5.9604644775390625e-08f /* 2^-24 */,
+                            2.98023223876953125e-08f /* 2^-25 */,
+                            2.9802326e-08f,
+                            6.103515625e-05f /* 2^-14 */,
+                            std::numeric_limits<float>::infinity(),
+                            -std::numeric_limits<float>::infinity()};
   for (float s : specials) {
     xs.push_back(s);
     xs.push_back(-s);
@@ -113,7 +136,9 @@ std::vector<float> conversion_samples() {
 __attribute__((target("f16c"))) std::uint16_t fp16_hardware(float x) {
   return static_cast<std::uint16_t>(_cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
-__attribute__((target("f16c"))) float fp16_hardware_to_float(std::uint16_t h) { return _cvtsh_ss(h); }
+__attribute__((target("f16c"))) float fp16_hardware_to_float(std::uint16_t h) {
+  return _cvtsh_ss(h);
+}
 bool have_f16c() { return __builtin_cpu_supports("f16c"); }
 #endif
 
@@ -124,7 +149,8 @@ TEST_CASE("bf16 and fp16 are 16-bit trivially copyable words, bit-compatible wit
   static_assert(sizeof(lynx::fp16) == 2 && alignof(lynx::fp16) == 2);
   static_assert(std::is_trivially_copyable_v<lynx::bf16> && std::is_standard_layout_v<lynx::bf16>);
   static_assert(std::is_trivially_copyable_v<lynx::fp16> && std::is_standard_layout_v<lynx::fp16>);
-  static_assert(lynx::kv_element<float> && lynx::kv_element<lynx::bf16> && lynx::kv_element<lynx::fp16>);
+  static_assert(lynx::kv_element<float> && lynx::kv_element<lynx::bf16> &&
+                lynx::kv_element<lynx::fp16>);
   static_assert(!lynx::kv_element<double> && !lynx::kv_element<std::uint16_t>);
   // Known patterns (the same as __float2bfloat16_rn / __float2half_rn).
   CHECK(lynx::bf16(1.0f).bits == 0x3f80);
@@ -152,7 +178,9 @@ TEST_CASE("bf16 and fp16 are 16-bit trivially copyable words, bit-compatible wit
   CHECK(std::string(lynx::element_name<lynx::bf16>()) == "bf16");
 }
 
-TEST_CASE("bf16 -> float is exact for all 65536 patterns; float -> bf16 -> float round-trips every bf16") {
+TEST_CASE(
+    "bf16 -> float is exact for all 65536 patterns; float -> bf16 -> float round-trips every "
+    "bf16") {
   for (std::uint32_t b = 0; b < 65536; ++b) {
     const auto bits = static_cast<std::uint16_t>(b);
     const float f = static_cast<float>(lynx::bf16::from_bits(bits));
@@ -161,14 +189,16 @@ TEST_CASE("bf16 -> float is exact for all 65536 patterns; float -> bf16 -> float
     if (std::isnan(f)) {
       REQUIRE(std::isnan(static_cast<float>(back)));
       REQUIRE((back.bits & 0x8000) == (bits & 0x8000));  // sign kept
-      REQUIRE((back.bits & 0x0040) != 0);               // quiet NaN
+      REQUIRE((back.bits & 0x0040) != 0);                // quiet NaN
     } else {
       REQUIRE(back.bits == bits);
     }
   }
 }
 
-TEST_CASE("float -> bf16 rounds to nearest, ties to even, like the reference; NaN stays NaN, overflow goes to inf") {
+TEST_CASE(
+    "float -> bf16 rounds to nearest, ties to even, like the reference; NaN stays NaN, overflow "
+    "goes to inf") {
   const std::vector<float> xs = conversion_samples();
   std::size_t checked = 0;
   for (float x : xs) {
@@ -183,15 +213,17 @@ TEST_CASE("float -> bf16 rounds to nearest, ties to even, like the reference; Na
   }
   CHECK(checked > 1000000);
   // Every NaN pattern (signalling ones included) converts to a NaN of the same sign.
-  for (std::uint32_t payload : {0x7f800001u, 0x7fc00000u, 0x7fffffffu, 0xff800001u, 0x7f800100u, 0x7f810000u}) {
+  for (std::uint32_t payload :
+       {0x7f800001u, 0x7fc00000u, 0x7fffffffu, 0xff800001u, 0x7f800100u, 0x7f810000u}) {
     const lynx::bf16 n(from_bits(payload));
     CHECK(std::isnan(static_cast<float>(n)));
     CHECK((n.bits >> 15) == (payload >> 31));
   }
   CHECK(lynx::bf16(std::numeric_limits<float>::infinity()).bits == 0x7f80);
   CHECK(lynx::bf16(-std::numeric_limits<float>::infinity()).bits == 0xff80);
-  CHECK(lynx::bf16(std::numeric_limits<float>::max()).bits == 0x7f80);  // rounds up past the largest bf16
-  CHECK(lynx::bf16(from_bits(0x7f7f7fffu)).bits == 0x7f7f);             // just below the half-way point
+  CHECK(lynx::bf16(std::numeric_limits<float>::max()).bits ==
+        0x7f80);                                             // rounds up past the largest bf16
+  CHECK(lynx::bf16(from_bits(0x7f7f7fffu)).bits == 0x7f7f);  // just below the half-way point
   // Subnormal floats round to bf16 subnormals (same exponent range as float).
   CHECK(lynx::bf16(std::numeric_limits<float>::denorm_min()).bits == 0x0000);
   CHECK(lynx::bf16(from_bits(0x00008000u)).bits == 0x0000);  // tie, even is 0
@@ -255,9 +287,10 @@ TEST_CASE("float -> fp16 rounds to nearest, ties to even, subnormals and overflo
   CHECK(lynx::fp16(65519.996f).bits == 0x7bff);
   CHECK(lynx::fp16(65520.0f).bits == 0x7c00);  // the tie rounds to even, which is 2^16: inf
   CHECK(lynx::fp16(-1e30f).bits == 0xfc00);
-  CHECK(lynx::fp16(2.98023223876953125e-08f).bits == 0x0000);  // 2^-25: tie between 0 and 2^-24, even is 0
-  CHECK(lynx::fp16(2.9802326e-08f).bits == 0x0001);            // just above the tie
-  CHECK(lynx::fp16(8.940697e-08f).bits == 0x0002);             // 1.5 * 2^-24: tie, even is 2
+  CHECK(lynx::fp16(2.98023223876953125e-08f).bits ==
+        0x0000);                                     // 2^-25: tie between 0 and 2^-24, even is 0
+  CHECK(lynx::fp16(2.9802326e-08f).bits == 0x0001);  // just above the tie
+  CHECK(lynx::fp16(8.940697e-08f).bits == 0x0002);   // 1.5 * 2^-24: tie, even is 2
   CHECK(lynx::fp16(std::numeric_limits<float>::denorm_min()).bits == 0x0000);
   CHECK(lynx::fp16(-std::numeric_limits<float>::denorm_min()).bits == 0x8000);
 }
@@ -266,15 +299,28 @@ TEST_CASE("to_float / from_float agree with the storage types' conversions") {
   CHECK(lynx::to_float(2.5f) == 2.5f);
   CHECK(lynx::from_float<float>(2.5f) == 2.5f);
   CHECK(lynx::from_float<lynx::bf16>(1.00390625f).bits == lynx::bf16(1.00390625f).bits);
-  CHECK(lynx::to_float(lynx::fp16::from_bits(0x3555)) == static_cast<float>(lynx::fp16::from_bits(0x3555)));
+  CHECK(lynx::to_float(lynx::fp16::from_bits(0x3555)) ==
+        static_cast<float>(lynx::fp16::from_bits(0x3555)));
 }
 
 TEST_CASE("lynx::error carries a code and a message naming it") {
   using lynx::errc;
-  const errc all[] = {errc::ok,           errc::invalid_argument,   errc::shape_mismatch,   errc::non_finite_input,
-                      errc::plan_mismatch, errc::layer_mismatch,    errc::truncated_segment, errc::corrupted_segment,
-                      errc::bad_magic,     errc::unsupported_version, errc::stale_generation, errc::out_of_memory,
-                      errc::transport_failure, errc::timeout,       errc::peer_failure,     errc::cuda_error,
+  const errc all[] = {errc::ok,
+                      errc::invalid_argument,
+                      errc::shape_mismatch,
+                      errc::non_finite_input,
+                      errc::plan_mismatch,
+                      errc::layer_mismatch,
+                      errc::truncated_segment,
+                      errc::corrupted_segment,
+                      errc::bad_magic,
+                      errc::unsupported_version,
+                      errc::stale_generation,
+                      errc::out_of_memory,
+                      errc::transport_failure,
+                      errc::timeout,
+                      errc::peer_failure,
+                      errc::cuda_error,
                       errc::internal};
   std::vector<std::string> names;
   for (errc c : all) {
@@ -283,7 +329,8 @@ TEST_CASE("lynx::error carries a code and a message naming it") {
     names.push_back(name);
   }
   std::sort(names.begin(), names.end());
-  CHECK(std::adjacent_find(names.begin(), names.end()) == names.end());  // every code has its own name
+  CHECK(std::adjacent_find(names.begin(), names.end()) ==
+        names.end());  // every code has its own name
 
   const lynx::error e(errc::shape_mismatch, "K is [1, 2, 3]");
   CHECK(e.code() == errc::shape_mismatch);
@@ -301,24 +348,32 @@ TEST_CASE("lynx::error carries a code and a message naming it") {
   }
 }
 
-TEST_CASE_TEMPLATE("token-major, head-major and strided views address the same elements", T, float, lynx::bf16, lynx::fp16) {
+TEST_CASE_TEMPLATE("token-major, head-major and strided views address the same elements", T, float,
+                   lynx::bf16, lynx::fp16) {
   const lynx::kv_shape shape{5, 3, 8};
   CHECK(shape.elements() == 120);
   CHECK(lynx::to_string(shape) == "[tokens=5, kv_heads=3, head_dim=8]");
-  auto value = [](std::int64_t t, std::int64_t h, std::int64_t c) { return static_cast<float>(t * 32 + h * 8 + c); };  // < 256: exact in bf16 and fp16
+  auto value = [](std::int64_t t, std::int64_t h, std::int64_t c) {
+    return static_cast<float>(t * 32 + h * 8 + c);
+  };  // < 256: exact in bf16 and fp16
   std::vector<T> token_major_data(static_cast<std::size_t>(shape.elements()));
   std::vector<T> head_major_data(token_major_data.size());
-  std::vector<T> strided_data(token_major_data.size() * 3);  // channel stride 3, heads and tokens outermost
+  std::vector<T> strided_data(token_major_data.size() *
+                              3);  // channel stride 3, heads and tokens outermost
   for (std::int64_t t = 0; t < shape.tokens; ++t)
     for (std::int64_t h = 0; h < shape.kv_heads; ++h)
       for (std::int64_t c = 0; c < shape.head_dim; ++c) {
-        token_major_data[static_cast<std::size_t>((t * shape.kv_heads + h) * shape.head_dim + c)] = lynx::from_float<T>(value(t, h, c));
-        head_major_data[static_cast<std::size_t>((h * shape.tokens + t) * shape.head_dim + c)] = lynx::from_float<T>(value(t, h, c));
-        strided_data[static_cast<std::size_t>(((h * shape.tokens + t) * shape.head_dim + c) * 3)] = lynx::from_float<T>(value(t, h, c));
+        token_major_data[static_cast<std::size_t>((t * shape.kv_heads + h) * shape.head_dim + c)] =
+            lynx::from_float<T>(value(t, h, c));
+        head_major_data[static_cast<std::size_t>((h * shape.tokens + t) * shape.head_dim + c)] =
+            lynx::from_float<T>(value(t, h, c));
+        strided_data[static_cast<std::size_t>(((h * shape.tokens + t) * shape.head_dim + c) * 3)] =
+            lynx::from_float<T>(value(t, h, c));
       }
   const auto tm = lynx::token_major(token_major_data.data(), shape);
   const auto hm = lynx::head_major(head_major_data.data(), shape);
-  const lynx::kv_view<T> strided{strided_data.data(), shape, shape.head_dim * 3, shape.tokens * shape.head_dim * 3, 3};
+  const lynx::kv_view<T> strided{strided_data.data(), shape, shape.head_dim * 3,
+                                 shape.tokens * shape.head_dim * 3, 3};
   CHECK(tm.token_stride == 24);
   CHECK(tm.head_stride == 8);
   CHECK(hm.token_stride == 8);

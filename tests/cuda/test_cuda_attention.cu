@@ -29,14 +29,17 @@ using lynx::bf16;
 // ---------------------------------------------------------------------------
 
 // K with per-channel offsets (outlier channels), V plain: [tokens][kv_heads][head_dim].
-std::vector<float> make_kv(std::int64_t tokens, std::int64_t kv_heads, std::int64_t D, unsigned seed, bool keys) {
+std::vector<float> make_kv(std::int64_t tokens, std::int64_t kv_heads, std::int64_t D,
+                           unsigned seed, bool keys) {
   std::mt19937 gen(seed);
   std::normal_distribution<float> normal(0.0f, 1.0f);
   std::vector<float> offset(static_cast<std::size_t>(kv_heads * D));
   for (auto& o : offset) o = keys ? 2.0f * normal(gen) : 0.0f;
   std::vector<float> x(static_cast<std::size_t>(tokens * kv_heads * D));
   for (std::int64_t t = 0; t < tokens; ++t)
-    for (std::int64_t i = 0; i < kv_heads * D; ++i) x[static_cast<std::size_t>(t * kv_heads * D + i)] = offset[static_cast<std::size_t>(i)] + normal(gen);
+    for (std::int64_t i = 0; i < kv_heads * D; ++i)
+      x[static_cast<std::size_t>(t * kv_heads * D + i)] =
+          offset[static_cast<std::size_t>(i)] + normal(gen);
   return x;
 }
 
@@ -59,17 +62,22 @@ template <class T>
 struct device_array {
   lynx::cuda::device_buffer buffer;
   std::size_t n = 0;
-  explicit device_array(const std::vector<T>& host) : buffer(std::max<std::size_t>(host.size(), 1) * sizeof(T)), n(host.size()) {
-    if (n) LYNX_CUDA_CHECK(cudaMemcpy(buffer.data(), host.data(), n * sizeof(T), cudaMemcpyHostToDevice));
+  explicit device_array(const std::vector<T>& host)
+      : buffer(std::max<std::size_t>(host.size(), 1) * sizeof(T)), n(host.size()) {
+    if (n)
+      LYNX_CUDA_CHECK(
+          cudaMemcpy(buffer.data(), host.data(), n * sizeof(T), cudaMemcpyHostToDevice));
   }
-  explicit device_array(std::size_t count) : buffer(std::max<std::size_t>(count, 1) * sizeof(T)), n(count) {
+  explicit device_array(std::size_t count)
+      : buffer(std::max<std::size_t>(count, 1) * sizeof(T)), n(count) {
     LYNX_CUDA_CHECK(cudaMemset(buffer.data(), 0xee, buffer.size()));
   }
   T* data() { return reinterpret_cast<T*>(buffer.data()); }
   const T* data() const { return reinterpret_cast<const T*>(buffer.data()); }
   std::vector<T> to_host() const {
     std::vector<T> h(n);
-    if (n) LYNX_CUDA_CHECK(cudaMemcpy(h.data(), buffer.data(), n * sizeof(T), cudaMemcpyDeviceToHost));
+    if (n)
+      LYNX_CUDA_CHECK(cudaMemcpy(h.data(), buffer.data(), n * sizeof(T), cudaMemcpyDeviceToHost));
     return h;
   }
 };
@@ -84,15 +92,18 @@ struct reference_result {
 
 // fp64 attention over dense float K/V (prompt then tail). Tolerance of the fp32
 // kernels (u = 2^-24), as in the host test, with chunks of 256 tokens:
-//   score error   |ds| <= (D + 4) u sum_c |q_c k_c| * scale  (fp32 channel sums over <= D/8 + 3 terms, fold of q * scale)
-//   weights       relative error <= 2 |ds| + 8 u               (exp2 polynomial, rescales, merges)
-//   value sums    (tokens per block + rescales + D + 16 + 8 * chunks) u * max|v|
+//   score error   |ds| <= (D + 4) u sum_c |q_c k_c| * scale  (fp32 channel sums over <= D/8 + 3
+//   terms, fold of q * scale) weights       relative error <= 2 |ds| + 8 u               (exp2
+//   polynomial, rescales, merges) value sums    (tokens per block + rescales + D + 16 + 8 * chunks)
+//   u * max|v|
 // so |out - ref| <= 2 max|v| (4 max|ds| + (1024 + D + 16 + 8 * chunks) u).
 template <class TailT>
-reference_result reference(const std::vector<float>& pk, const std::vector<float>& pv, std::int64_t prompt_tokens,
-                           const std::vector<TailT>& tk, const std::vector<TailT>& tv, std::int64_t kv_heads, std::int64_t D,
-                           const std::vector<float>& q, std::int64_t n, std::int64_t qh, lynx::tail_visibility vis, double scale,
-                           std::int64_t window = 0, double cap = 0.0) {
+reference_result reference(const std::vector<float>& pk, const std::vector<float>& pv,
+                           std::int64_t prompt_tokens, const std::vector<TailT>& tk,
+                           const std::vector<TailT>& tv, std::int64_t kv_heads, std::int64_t D,
+                           const std::vector<float>& q, std::int64_t n, std::int64_t qh,
+                           lynx::tail_visibility vis, double scale, std::int64_t window = 0,
+                           double cap = 0.0) {
   const double u = std::ldexp(1.0, -24);
   reference_result r;
   r.out.assign(static_cast<std::size_t>(n * qh * D), 0.0);
@@ -100,18 +111,23 @@ reference_result reference(const std::vector<float>& pk, const std::vector<float
   r.tol.assign(static_cast<std::size_t>(n * qh), 0.0);
   const std::int64_t group = qh / kv_heads;
   auto key = [&](std::int64_t t, std::int64_t g, std::int64_t c) {
-    return t < prompt_tokens ? static_cast<double>(pk[static_cast<std::size_t>((t * kv_heads + g) * D + c)])
-                             : static_cast<double>(lynx::to_float(tk[static_cast<std::size_t>(((t - prompt_tokens) * kv_heads + g) * D + c)]));
+    return t < prompt_tokens
+               ? static_cast<double>(pk[static_cast<std::size_t>((t * kv_heads + g) * D + c)])
+               : static_cast<double>(lynx::to_float(
+                     tk[static_cast<std::size_t>(((t - prompt_tokens) * kv_heads + g) * D + c)]));
   };
   auto value = [&](std::int64_t t, std::int64_t g, std::int64_t c) {
-    return t < prompt_tokens ? static_cast<double>(pv[static_cast<std::size_t>((t * kv_heads + g) * D + c)])
-                             : static_cast<double>(lynx::to_float(tv[static_cast<std::size_t>(((t - prompt_tokens) * kv_heads + g) * D + c)]));
+    return t < prompt_tokens
+               ? static_cast<double>(pv[static_cast<std::size_t>((t * kv_heads + g) * D + c)])
+               : static_cast<double>(lynx::to_float(
+                     tv[static_cast<std::size_t>(((t - prompt_tokens) * kv_heads + g) * D + c)]));
   };
   for (std::int64_t i = 0; i < n; ++i)
     for (std::int64_t h = 0; h < qh; ++h) {
       const std::int64_t g = h / group;
       const float* qv = q.data() + (i * qh + h) * D;
-      const std::int64_t total = prompt_tokens + vis(i), qpos = total - 1, first = window > 0 ? qpos - window + 1 : 0;
+      const std::int64_t total = prompt_tokens + vis(i), qpos = total - 1,
+                         first = window > 0 ? qpos - window + 1 : 0;
       std::vector<double> s;
       std::vector<std::int64_t> pos;
       double max_ds = 0.0, max_v = 0.0;
@@ -125,7 +141,8 @@ reference_result reference(const std::vector<float>& pk, const std::vector<float
         if (cap > 0) dot = cap * std::tanh(dot / cap);
         s.push_back(dot);
         pos.push_back(t);
-        max_ds = std::max(max_ds, (static_cast<double>(D) + 4.0) * u * mag * scale * 4.0 + 4 * u * std::abs(dot));
+        max_ds = std::max(
+            max_ds, (static_cast<double>(D) + 4.0) * u * mag * scale * 4.0 + 4 * u * std::abs(dot));
       }
       const double m = *std::max_element(s.begin(), s.end());
       double l = 0.0;
@@ -138,7 +155,8 @@ reference_result reference(const std::vector<float>& pk, const std::vector<float
         }
       r.lse[static_cast<std::size_t>(i * qh + h)] = m + std::log(l);
       const double chunks = std::ceil(static_cast<double>(total) / 256.0) + 2;
-      r.tol[static_cast<std::size_t>(i * qh + h)] = 2.0 * max_v * (4.0 * max_ds + (1024.0 + D + 16.0 + 8.0 * chunks) * u) + 1e-30;
+      r.tol[static_cast<std::size_t>(i * qh + h)] =
+          2.0 * max_v * (4.0 * max_ds + (1024.0 + D + 16.0 + 8.0 * chunks) * u) + 1e-30;
     }
   return r;
 }
@@ -147,15 +165,19 @@ reference_result reference(const std::vector<float>& pk, const std::vector<float
 double worst_ratio(const std::vector<float>& out, const reference_result& ref, std::int64_t D) {
   double worst = 0.0;
   for (std::size_t i = 0; i < out.size(); ++i)
-    worst = std::max(worst, std::abs(out[i] - ref.out[i]) / ref.tol[i / static_cast<std::size_t>(D)]);
+    worst =
+        std::max(worst, std::abs(out[i] - ref.out[i]) / ref.tol[i / static_cast<std::size_t>(D)]);
   return worst;
 }
 
-// |device - host| against the same tolerance: both are within tol of fp64, so within 2 tol of each other
-double worst_vs_host(const std::vector<float>& dev, const std::vector<float>& host, const reference_result& ref, std::int64_t D) {
+// |device - host| against the same tolerance: both are within tol of fp64, so within 2 tol of each
+// other
+double worst_vs_host(const std::vector<float>& dev, const std::vector<float>& host,
+                     const reference_result& ref, std::int64_t D) {
   double worst = 0.0;
   for (std::size_t i = 0; i < dev.size(); ++i)
-    worst = std::max(worst, std::abs(static_cast<double>(dev[i]) - host[i]) / (2.0 * ref.tol[i / static_cast<std::size_t>(D)]));
+    worst = std::max(worst, std::abs(static_cast<double>(dev[i]) - host[i]) /
+                                (2.0 * ref.tol[i / static_cast<std::size_t>(D)]));
   return worst;
 }
 
@@ -167,7 +189,8 @@ template <class TailT>
 struct device_tail {
   device_array<TailT> k, v;
   lynx::kv_shape shape;
-  device_tail(const std::vector<TailT>& hk, const std::vector<TailT>& hv, lynx::kv_shape s) : k(hk), v(hv), shape(s) {}
+  device_tail(const std::vector<TailT>& hk, const std::vector<TailT>& hv, lynx::kv_shape s)
+      : k(hk), v(hv), shape(s) {}
   [[nodiscard]] lynx::kv_view<const TailT, lynx::device_space> keys() const {
     return lynx::token_major<const TailT, lynx::device_space>(k.data(), shape);
   }
@@ -178,10 +201,13 @@ struct device_tail {
 
 // Runs the device attention for queries [n][qh][D] at q (device pointer); returns output (and lse).
 template <class Prompt, class TailT, class Variant = lynx::default_variant>
-std::vector<float> run_device(const Prompt& prompt, const device_tail<TailT>& tail, const float* q, std::int64_t n, std::int64_t qh,
-                              std::int64_t D, lynx::tail_visibility vis, std::vector<float>* lse = nullptr, Variant variant = {}) {
+std::vector<float> run_device(const Prompt& prompt, const device_tail<TailT>& tail, const float* q,
+                              std::int64_t n, std::int64_t qh, std::int64_t D,
+                              lynx::tail_visibility vis, std::vector<float>* lse = nullptr,
+                              Variant variant = {}) {
   const lynx::attention_queries queries{q, n, qh, D};
-  device_array<float> out(static_cast<std::size_t>(n * qh * D)), lse_d(static_cast<std::size_t>(n * qh));
+  device_array<float> out(static_cast<std::size_t>(n * qh * D)),
+      lse_d(static_cast<std::size_t>(n * qh));
   const lynx::attention_output o{out.data(), lse ? lse_d.data() : nullptr};
   lynx::cuda::decode_attention<Variant> attn{variant};
   std::size_t bytes = 0;
@@ -194,35 +220,46 @@ std::vector<float> run_device(const Prompt& prompt, const device_tail<TailT>& ta
 }
 
 template <class Prompt, class TailT, class Variant = lynx::default_variant>
-std::vector<float> run_host(const Prompt& prompt, const std::vector<TailT>& tk, const std::vector<TailT>& tv, lynx::kv_shape ts, const float* q,
-                            std::int64_t n, std::int64_t qh, std::int64_t D, lynx::tail_visibility vis, Variant variant = {}) {
-  const auto tkv = lynx::token_major<const TailT>(tk.data(), ts), tvv = lynx::token_major<const TailT>(tv.data(), ts);
+std::vector<float> run_host(const Prompt& prompt, const std::vector<TailT>& tk,
+                            const std::vector<TailT>& tv, lynx::kv_shape ts, const float* q,
+                            std::int64_t n, std::int64_t qh, std::int64_t D,
+                            lynx::tail_visibility vis, Variant variant = {}) {
+  const auto tkv = lynx::token_major<const TailT>(tk.data(), ts),
+             tvv = lynx::token_major<const TailT>(tv.data(), ts);
   const lynx::attention_queries queries{q, n, qh, D};
   lynx::decode_attention<Variant> attn{variant};
   lynx::attention_workspace ws(attn.problem(prompt, tkv, queries, vis), 1);
   std::vector<float> out(static_cast<std::size_t>(n * qh * D));
-  attn(prompt, tkv, tvv, queries, vis, {out.data(), nullptr}, ws, {1, lynx::attention_path::automatic});
+  attn(prompt, tkv, tvv, queries, vis, {out.data(), nullptr}, ws,
+       {1, lynx::attention_path::automatic});
   return out;
 }
 
 template <class Plan, int G>
-void reconstructed(const lynx::bitplane_tensor<Plan, G>& t, std::vector<float>& k, std::vector<float>& v) {
+void reconstructed(const lynx::bitplane_tensor<Plan, G>& t, std::vector<float>& k,
+                   std::vector<float>& v) {
   const lynx::kv_shape shape = t.shape();
   k.resize(static_cast<std::size_t>(shape.elements()));
   v.resize(k.size());
-  lynx::reconstruct(t, lynx::token_major<float>(k.data(), shape), lynx::token_major<float>(v.data(), shape));
+  lynx::reconstruct(t, lynx::token_major<float>(k.data(), shape),
+                    lynx::token_major<float>(v.data(), shape));
 }
 
-// Every precision level: device vs fp64 reference (on the values the host reconstructs) and vs the host functor.
+// Every precision level: device vs fp64 reference (on the values the host reconstructs) and vs the
+// host functor.
 template <class Plan, class TailT, int G = 32>
-void accuracy_case(std::int64_t tokens, std::int64_t kv_heads, std::int64_t group, std::int64_t D, std::int64_t tail_tokens, std::int64_t n) {
+void accuracy_case(std::int64_t tokens, std::int64_t kv_heads, std::int64_t group, std::int64_t D,
+                   std::int64_t tail_tokens, std::int64_t n) {
   const lynx::kv_shape shape{tokens, kv_heads, D}, ts{tail_tokens, kv_heads, D};
-  const auto k = make_kv(tokens, kv_heads, D, 11, true), v = make_kv(tokens, kv_heads, D, 12, false);
-  const auto tk = convert<TailT>(make_kv(tail_tokens, kv_heads, D, 13, true)), tv = convert<TailT>(make_kv(tail_tokens, kv_heads, D, 14, false));
+  const auto k = make_kv(tokens, kv_heads, D, 11, true),
+             v = make_kv(tokens, kv_heads, D, 12, false);
+  const auto tk = convert<TailT>(make_kv(tail_tokens, kv_heads, D, 13, true)),
+             tv = convert<TailT>(make_kv(tail_tokens, kv_heads, D, 14, false));
   const std::int64_t qh = kv_heads * group;
   const auto q = make_queries(n, qh, D, 15);
   const lynx::tail_visibility vis{tail_tokens - n, 1};
-  const auto enc = lynx::encode<Plan, G>(lynx::token_major<const float>(k.data(), shape), lynx::token_major<const float>(v.data(), shape), 0);
+  const auto enc = lynx::encode<Plan, G>(lynx::token_major<const float>(k.data(), shape),
+                                         lynx::token_major<const float>(v.data(), shape), 0);
   lynx::bitplane_tensor<Plan, G> host_tensor(shape, 0);
   lynx::bitplane_tensor<Plan, G, lynx::device_space> dev_tensor(shape, 0);
   const device_tail<TailT> dtail(tk, tv, ts);
@@ -233,17 +270,19 @@ void accuracy_case(std::int64_t tokens, std::int64_t kv_heads, std::int64_t grou
     LYNX_CUDA_CHECK(cudaStreamSynchronize(dev_tensor.stream()));
     std::vector<float> rk, rv;
     reconstructed(host_tensor, rk, rv);
-    const auto ref = reference(rk, rv, tokens, tk, tv, kv_heads, D, q, n, qh, vis, 1.0 / std::sqrt(static_cast<double>(D)));
+    const auto ref = reference(rk, rv, tokens, tk, tv, kv_heads, D, q, n, qh, vis,
+                               1.0 / std::sqrt(static_cast<double>(D)));
     std::vector<float> lse;
     const auto dev = run_device(dev_tensor.view(), dtail, dq.data(), n, qh, D, vis, &lse);
     const auto host = run_host(host_tensor.view(), tk, tv, ts, q.data(), n, qh, D, vis);
-    INFO(Plan::name() << " level " << level << " T=" << tokens << " D=" << D << " group=" << group << " tail=" << tail_tokens
-                      << " G=" << G);
+    INFO(Plan::name() << " level " << level << " T=" << tokens << " D=" << D << " group=" << group
+                      << " tail=" << tail_tokens << " G=" << G);
     const double vs_ref = worst_ratio(dev, ref, D), vs_host = worst_vs_host(dev, host, ref, D);
     INFO("worst error / tolerance: vs fp64 " << vs_ref << ", vs host " << vs_host);
     CHECK(vs_ref <= 1.0);
     CHECK(vs_host <= 1.0);
-    for (std::size_t i = 0; i < lse.size(); ++i) CHECK(std::abs(lse[i] - ref.lse[i]) <= 1e-4 * (1.0 + std::abs(ref.lse[i])));
+    for (std::size_t i = 0; i < lse.size(); ++i)
+      CHECK(std::abs(lse[i] - ref.lse[i]) <= 1e-4 * (1.0 + std::abs(ref.lse[i])));
   }
 }
 
@@ -253,14 +292,17 @@ lynx::bitplane_view<Plan, G, lynx::device_space> fake_view(lynx::kv_shape shape,
   lynx::bitplane_view<Plan, G, lynx::device_space> v;
   v.geometry = lynx::make_geometry<Plan, G>(shape);
   v.level = level;
-  for (int s = 0; s < Plan::streams; ++s) v.payload[static_cast<std::size_t>(s)] = reinterpret_cast<const std::byte*>(std::uintptr_t{4096});
+  for (int s = 0; s < Plan::streams; ++s)
+    v.payload[static_cast<std::size_t>(s)] =
+        reinterpret_cast<const std::byte*>(std::uintptr_t{4096});
   return v;
 }
 
 }  // namespace
 
 TEST_SUITE("host logic") {
-  TEST_CASE("launch shape: chunks fixed by position, workspace sized in two phases without a launch") {
+  TEST_CASE(
+      "launch shape: chunks fixed by position, workspace sized in two phases without a launch") {
     const lynx::kv_shape shape{1000, 2, 64};
     const auto view = fake_view<lynx::plan_8_4_4>(shape, 1);
     const auto* fake = reinterpret_cast<const bf16*>(std::uintptr_t{8192});
@@ -271,14 +313,15 @@ TEST_SUITE("host logic") {
     CHECK(s.prompt_chunks() == 4);  // 1000 tokens in chunks of 256
     CHECK(s.tail_chunks() == 2);    // queries see up to 300 tail tokens
     CHECK(s.group_heads() == 4);
-    CHECK(s.pair_tiles() == 2);     // 3 queries x 4 heads = 12 pairs, 8 per CTA
+    CHECK(s.pair_tiles() == 2);  // 3 queries x 4 heads = 12 pairs, 8 per CTA
     CHECK(s.chunk_grid().x == 6);
     CHECK(s.chunk_grid().y == 2);
     CHECK(s.workspace_bytes() >= s.state_pairs() * (8 + 64 * 4));
     std::size_t bytes = 0;
     lynx::cuda::decode_attention<> attn;
     // sizing only: nothing is launched (this runs without a device)
-    CHECK(attn(nullptr, bytes, view, tail, tail, q, vis, {reinterpret_cast<float*>(std::uintptr_t{4096}), nullptr}) == cudaSuccess);
+    CHECK(attn(nullptr, bytes, view, tail, tail, q, vis,
+               {reinterpret_cast<float*>(std::uintptr_t{4096}), nullptr}) == cudaSuccess);
     CHECK(bytes == s.workspace_bytes());
     // a split of the host is 4 chunks: partial states never straddle a host split
     CHECK(lynx::attention_split_tokens % lynx::cuda::attention_chunk_tokens == 0);
@@ -301,69 +344,91 @@ TEST_SUITE("host logic") {
       return "";
     };
     const auto view = fake_view<lynx::plan_8_4_4>(shape, 1);
-    CHECK(message([&] { return attn(nullptr, bytes, fake_view<lynx::plan_8_4_4>(shape, 0), tail, tail, {qd, 2, 4, 64}, {2, 1}, {out_ptr}); })
-              .find("precision level 0") != std::string::npos);
-    CHECK(message([&] { return attn(nullptr, bytes, view, tail, tail, {qd, 2, 4, 128}, {2, 1}, {out_ptr}); }).find("head_dim") !=
-          std::string::npos);
-    CHECK(message([&] { return attn(nullptr, bytes, view, tail, tail, {qd, 2, 5, 64}, {2, 1}, {out_ptr}); }).find("not a multiple") !=
-          std::string::npos);
-    CHECK(message([&] { return attn(nullptr, bytes, view, tail, tail, {qd, 2, 4, 64}, {3, 1}, {out_ptr}); }).find("tail holds 4") !=
-          std::string::npos);
+    CHECK(message([&] {
+            return attn(nullptr, bytes, fake_view<lynx::plan_8_4_4>(shape, 0), tail, tail,
+                        {qd, 2, 4, 64}, {2, 1}, {out_ptr});
+          }).find("precision level 0") != std::string::npos);
+    CHECK(message([&] {
+            return attn(nullptr, bytes, view, tail, tail, {qd, 2, 4, 128}, {2, 1}, {out_ptr});
+          }).find("head_dim") != std::string::npos);
+    CHECK(message([&] {
+            return attn(nullptr, bytes, view, tail, tail, {qd, 2, 5, 64}, {2, 1}, {out_ptr});
+          }).find("not a multiple") != std::string::npos);
+    CHECK(message([&] {
+            return attn(nullptr, bytes, view, tail, tail, {qd, 2, 4, 64}, {3, 1}, {out_ptr});
+          }).find("tail holds 4") != std::string::npos);
     // null data is allowed in the sizing call (as in CUB), refused at launch
     std::size_t enough = 1 << 20;
     auto* ws = reinterpret_cast<void*>(std::uintptr_t{4096});
-    CHECK(message([&] { return attn(nullptr, bytes, view, tail, tail, {nullptr, 2, 4, 64}, {2, 1}, {out_ptr}); }).empty());
-    CHECK(message([&] { return attn(ws, enough, view, tail, tail, {nullptr, 2, 4, 64}, {2, 1}, {out_ptr}); }).find("null query") !=
-          std::string::npos);
+    CHECK(message([&] {
+            return attn(nullptr, bytes, view, tail, tail, {nullptr, 2, 4, 64}, {2, 1}, {out_ptr});
+          }).empty());
+    CHECK(message([&] {
+            return attn(ws, enough, view, tail, tail, {nullptr, 2, 4, 64}, {2, 1}, {out_ptr});
+          }).find("null query") != std::string::npos);
     const auto other_tail = lynx::token_major<const bf16, lynx::device_space>(fake, {4, 1, 64});
-    CHECK(message([&] { return attn(nullptr, bytes, view, other_tail, other_tail, {qd, 2, 4, 64}, {2, 1}, {out_ptr}); })
-              .find("does not match kv_heads=2") != std::string::npos);
+    CHECK(message([&] {
+            return attn(nullptr, bytes, view, other_tail, other_tail, {qd, 2, 4, 64}, {2, 1},
+                        {out_ptr});
+          }).find("does not match kv_heads=2") != std::string::npos);
     // head_dim 96 is valid for the host functor but not compiled on the device
     const auto view96 = fake_view<lynx::plan_8_4_4>({100, 2, 96}, 1);
     const auto tail96 = lynx::token_major<const bf16, lynx::device_space>(fake, {4, 2, 96});
-    CHECK(message([&] { return attn(nullptr, bytes, view96, tail96, tail96, {qd, 2, 4, 96}, {2, 1}, {out_ptr}); })
-              .find("head_dim 96 is not compiled") != std::string::npos);
+    CHECK(message([&] {
+            return attn(nullptr, bytes, view96, tail96, tail96, {qd, 2, 4, 96}, {2, 1}, {out_ptr});
+          }).find("head_dim 96 is not compiled") != std::string::npos);
     // no prompt and an empty tail: nothing to attend to
     const auto empty = lynx::token_major<const bf16, lynx::device_space>(nullptr, {0, 2, 64});
     const lynx::cuda::dense_prompt<bf16> none{empty, empty};
-    CHECK(message([&] { return attn(nullptr, bytes, none, tail, tail, {qd, 1, 4, 64}, {-1, 1}, {out_ptr}); }).find("no token at all") !=
-          std::string::npos);
-    const lynx::cuda::dense_prompt<bf16> uneven{lynx::token_major<const bf16, lynx::device_space>(fake, {10, 2, 64}),
-                                               lynx::token_major<const bf16, lynx::device_space>(fake, {11, 2, 64})};
-    CHECK(message([&] { return attn(nullptr, bytes, uneven, tail, tail, {qd, 1, 4, 64}, {0, 1}, {out_ptr}); }).find("differ") !=
-          std::string::npos);
+    CHECK(message([&] {
+            return attn(nullptr, bytes, none, tail, tail, {qd, 1, 4, 64}, {-1, 1}, {out_ptr});
+          }).find("no token at all") != std::string::npos);
+    const lynx::cuda::dense_prompt<bf16> uneven{
+        lynx::token_major<const bf16, lynx::device_space>(fake, {10, 2, 64}),
+        lynx::token_major<const bf16, lynx::device_space>(fake, {11, 2, 64})};
+    CHECK(message([&] {
+            return attn(nullptr, bytes, uneven, tail, tail, {qd, 1, 4, 64}, {0, 1}, {out_ptr});
+          }).find("differ") != std::string::npos);
     // a workspace that is too small is refused before launching
     std::size_t small = 16;
-    CHECK(message([&] { return attn(reinterpret_cast<void*>(std::uintptr_t{4096}), small, view, tail, tail, {qd, 2, 4, 64}, {2, 1}, {out_ptr}); })
-              .find("workspace of 16 bytes") != std::string::npos);
+    CHECK(message([&] {
+            return attn(reinterpret_cast<void*>(std::uintptr_t{4096}), small, view, tail, tail,
+                        {qd, 2, 4, 64}, {2, 1}, {out_ptr});
+          }).find("workspace of 16 bytes") != std::string::npos);
   }
 }
 
-TEST_CASE_TEMPLATE("device attention on every precision level matches fp64 and the host functor", Plan, lynx::plan_8_4_4,
-                   lynx::plan_8_2_2_4, lynx::plan_16_4_12) {
-  accuracy_case<Plan, bf16>(1000 + 37, 2, 4, 128, 40, 3);  // tokens not a multiple of G, several chunks
+TEST_CASE_TEMPLATE("device attention on every precision level matches fp64 and the host functor",
+                   Plan, lynx::plan_8_4_4, lynx::plan_8_2_2_4, lynx::plan_16_4_12) {
+  accuracy_case<Plan, bf16>(1000 + 37, 2, 4, 128, 40,
+                            3);  // tokens not a multiple of G, several chunks
   accuracy_case<Plan, float>(300, 1, 1, 64, 9, 2);
   accuracy_case<Plan, bf16>(77, 1, 8, 256, 5, 4);
   accuracy_case<Plan, bf16>(70, 2, 4, 8, 3, 2);
 }
 
-TEST_CASE("device attention with other group sizes (G = 64, G = 20: key groups not aligned to blocks)") {
+TEST_CASE(
+    "device attention with other group sizes (G = 64, G = 20: key groups not aligned to blocks)") {
   accuracy_case<lynx::plan_8_4_4, bf16, 64>(700, 2, 4, 64, 10, 2);
   accuracy_case<lynx::plan_16_4_12, bf16, 20>(333, 1, 4, 64, 6, 3);
 }
 
-TEST_CASE("long context on the device: many chunks, GQA 8") { accuracy_case<lynx::plan_8_4_4, bf16>(5000, 1, 8, 128, 300, 2); }
+TEST_CASE("long context on the device: many chunks, GQA 8") {
+  accuracy_case<lynx::plan_8_4_4, bf16>(5000, 1, 8, 128, 300, 2);
+}
 
-TEST_CASE_TEMPLATE("device batch invariance: a query alone gives the bits it gets among k = 2..8", Plan, lynx::plan_8_4_4,
-                   lynx::plan_16_4_12) {
+TEST_CASE_TEMPLATE("device batch invariance: a query alone gives the bits it gets among k = 2..8",
+                   Plan, lynx::plan_8_4_4, lynx::plan_16_4_12) {
   const std::int64_t T = 1500, H = 2, group = 4, D = 128, qh = H * group, n = 8, tail = 300;
   const lynx::kv_shape shape{T, H, D}, ts{tail, H, D};
-  const auto enc = lynx::encode<Plan, 32>(lynx::token_major<const float>(make_kv(T, H, D, 1, true).data(), shape),
-                                          lynx::token_major<const float>(make_kv(T, H, D, 2, false).data(), shape), 0);
+  const auto enc = lynx::encode<Plan, 32>(
+      lynx::token_major<const float>(make_kv(T, H, D, 1, true).data(), shape),
+      lynx::token_major<const float>(make_kv(T, H, D, 2, false).data(), shape), 0);
   lynx::bitplane_tensor<Plan, 32, lynx::device_space> tensor(shape, 0);
   for (int s = 0; s < Plan::streams; ++s) tensor.accept(enc.segment(s));
   LYNX_CUDA_CHECK(cudaStreamSynchronize(tensor.stream()));
-  const device_tail<bf16> dtail(convert<bf16>(make_kv(tail, H, D, 3, true)), convert<bf16>(make_kv(tail, H, D, 4, false)), ts);
+  const device_tail<bf16> dtail(convert<bf16>(make_kv(tail, H, D, 3, true)),
+                                convert<bf16>(make_kv(tail, H, D, 4, false)), ts);
   const device_array<float> dq(make_queries(n, qh, D, 5));
   // the 8 queries straddle the tail's chunk boundary at 256: the last see 257..260 tail tokens
   const lynx::tail_visibility vis{tail - 48, 6};
@@ -371,15 +436,18 @@ TEST_CASE_TEMPLATE("device batch invariance: a query alone gives the bits it get
     const auto view = tensor.view_at(level);
     std::vector<std::vector<float>> alone;
     for (std::int64_t i = 0; i < n; ++i)
-      alone.push_back(run_device(view, dtail, dq.data() + i * qh * D, 1, qh, D, {vis.base + vis.per_query * i, vis.per_query}));
+      alone.push_back(run_device(view, dtail, dq.data() + i * qh * D, 1, qh, D,
+                                 {vis.base + vis.per_query * i, vis.per_query}));
     for (std::int64_t k = 2; k <= n; ++k)
       for (std::int64_t first = 0; first + k <= n; first += k) {
-        const auto together = run_device(view, dtail, dq.data() + first * qh * D, k, qh, D, {vis.base + vis.per_query * first, vis.per_query});
+        const auto together = run_device(view, dtail, dq.data() + first * qh * D, k, qh, D,
+                                         {vis.base + vis.per_query * first, vis.per_query});
         for (std::int64_t i = 0; i < k; ++i) {
           CAPTURE(level);
           CAPTURE(k);
           CAPTURE(first + i);
-          CHECK(std::memcmp(alone[static_cast<std::size_t>(first + i)].data(), together.data() + i * qh * D,
+          CHECK(std::memcmp(alone[static_cast<std::size_t>(first + i)].data(),
+                            together.data() + i * qh * D,
                             static_cast<std::size_t>(qh * D) * sizeof(float)) == 0);
         }
       }
@@ -390,22 +458,29 @@ TEST_CASE("device batch invariance with a sliding window and a soft-cap") {
   const std::int64_t T = 900, H = 1, group = 4, D = 64, qh = H * group, n = 6, tail = 40;
   const lynx::kv_shape shape{T, H, D}, ts{tail, H, D};
   const auto k = make_kv(T, H, D, 21, true), v = make_kv(T, H, D, 22, false);
-  const auto enc = lynx::encode<lynx::plan_8_4_4, 32>(lynx::token_major<const float>(k.data(), shape), lynx::token_major<const float>(v.data(), shape), 0);
+  const auto enc =
+      lynx::encode<lynx::plan_8_4_4, 32>(lynx::token_major<const float>(k.data(), shape),
+                                         lynx::token_major<const float>(v.data(), shape), 0);
   lynx::bitplane_tensor<lynx::plan_8_4_4, 32, lynx::device_space> tensor(shape, 0);
   tensor.accept(enc.segment(0));
   LYNX_CUDA_CHECK(cudaStreamSynchronize(tensor.stream()));
-  const auto tkh = convert<bf16>(make_kv(tail, H, D, 23, true)), tvh = convert<bf16>(make_kv(tail, H, D, 24, false));
+  const auto tkh = convert<bf16>(make_kv(tail, H, D, 23, true)),
+             tvh = convert<bf16>(make_kv(tail, H, D, 24, false));
   const device_tail<bf16> dtail(tkh, tvh, ts);
   const auto q = make_queries(n, qh, D, 25);
   const device_array<float> dq(q);
   const lynx::tail_visibility vis{tail - n, 1};
   lynx::soft_cap_variant variant;
   variant.cap = 5.0f;
-  variant.window_ = 333;  // the window starts inside a block and inside a chunk, a different token for each query
-  const auto together = run_device(tensor.view(), dtail, dq.data(), n, qh, D, vis, nullptr, variant);
+  variant.window_ =
+      333;  // the window starts inside a block and inside a chunk, a different token for each query
+  const auto together =
+      run_device(tensor.view(), dtail, dq.data(), n, qh, D, vis, nullptr, variant);
   for (std::int64_t i = 0; i < n; ++i) {
-    const auto alone = run_device(tensor.view(), dtail, dq.data() + i * qh * D, 1, qh, D, {vis.base + i, 1}, nullptr, variant);
-    CHECK(std::memcmp(alone.data(), together.data() + i * qh * D, static_cast<std::size_t>(qh * D) * sizeof(float)) == 0);
+    const auto alone = run_device(tensor.view(), dtail, dq.data() + i * qh * D, 1, qh, D,
+                                  {vis.base + i, 1}, nullptr, variant);
+    CHECK(std::memcmp(alone.data(), together.data() + i * qh * D,
+                      static_cast<std::size_t>(qh * D) * sizeof(float)) == 0);
   }
   lynx::bitplane_tensor<lynx::plan_8_4_4, 32> host_tensor(shape, 0);
   host_tensor.accept(enc.segment(0));
@@ -425,7 +500,9 @@ TEST_CASE("empty tail, tail only, float tail, dense bf16 prompt (the 16-bit base
   const double scale = 1.0 / std::sqrt(static_cast<double>(D));
 
   SUBCASE("empty tail: the queries see the prompt alone") {
-    const auto enc = lynx::encode<lynx::plan_8_4_4, 32>(lynx::token_major<const float>(k.data(), shape), lynx::token_major<const float>(v.data(), shape), 0);
+    const auto enc =
+        lynx::encode<lynx::plan_8_4_4, 32>(lynx::token_major<const float>(k.data(), shape),
+                                           lynx::token_major<const float>(v.data(), shape), 0);
     lynx::bitplane_tensor<lynx::plan_8_4_4, 32, lynx::device_space> tensor(shape, 0);
     lynx::bitplane_tensor<lynx::plan_8_4_4, 32> host_tensor(shape, 0);
     tensor.accept(enc.segment(0));
@@ -437,30 +514,40 @@ TEST_CASE("empty tail, tail only, float tail, dense bf16 prompt (the 16-bit base
     std::vector<float> rk, rv;
     reconstructed(host_tensor, rk, rv);
     const auto out = run_device(tensor.view(), empty, dq.data(), 3, qh, D, prompt_only);
-    CHECK(worst_ratio(out, reference(rk, rv, T, none, none, H, D, q, 3, qh, prompt_only, scale), D) <= 1.0);
+    CHECK(worst_ratio(out, reference(rk, rv, T, none, none, H, D, q, 3, qh, prompt_only, scale),
+                      D) <= 1.0);
   }
   SUBCASE("tail only (float tail), no prompt") {
     const auto tk = make_kv(300, H, D, 34, true), tv = make_kv(300, H, D, 35, false);
     const device_tail<float> dtail(tk, tv, {300, H, D});
     const auto empty = lynx::token_major<const float, lynx::device_space>(nullptr, {0, H, D});
     const lynx::tail_visibility causal{290, 1};
-    const auto out = run_device(lynx::cuda::dense_prompt<float>{empty, empty}, dtail, dq.data(), 3, qh, D, causal);
-    CHECK(worst_ratio(out, reference(std::vector<float>{}, std::vector<float>{}, 0, tk, tv, H, D, q, 3, qh, causal, scale), D) <= 1.0);
+    const auto out = run_device(lynx::cuda::dense_prompt<float>{empty, empty}, dtail, dq.data(), 3,
+                                qh, D, causal);
+    CHECK(worst_ratio(out,
+                      reference(std::vector<float>{}, std::vector<float>{}, 0, tk, tv, H, D, q, 3,
+                                qh, causal, scale),
+                      D) <= 1.0);
   }
   SUBCASE("dense bf16 prompt: the baseline against fp64 and the host's dense path") {
     const auto kb = convert<bf16>(k), vb = convert<bf16>(v);
     const device_array<bf16> dk(kb), dv(vb);
-    const lynx::cuda::dense_prompt<bf16> prompt{lynx::token_major<const bf16, lynx::device_space>(dk.data(), shape),
-                                                lynx::token_major<const bf16, lynx::device_space>(dv.data(), shape)};
-    const auto tk = convert<bf16>(make_kv(20, H, D, 36, true)), tv = convert<bf16>(make_kv(20, H, D, 37, false));
+    const lynx::cuda::dense_prompt<bf16> prompt{
+        lynx::token_major<const bf16, lynx::device_space>(dk.data(), shape),
+        lynx::token_major<const bf16, lynx::device_space>(dv.data(), shape)};
+    const auto tk = convert<bf16>(make_kv(20, H, D, 36, true)),
+               tv = convert<bf16>(make_kv(20, H, D, 37, false));
     const device_tail<bf16> dtail(tk, tv, {20, H, D});
     const lynx::tail_visibility causal{17, 1};
     std::vector<float> kf(kb.size()), vf(vb.size());
-    for (std::size_t i = 0; i < kb.size(); ++i) kf[i] = lynx::to_float(kb[i]), vf[i] = lynx::to_float(vb[i]);
+    for (std::size_t i = 0; i < kb.size(); ++i)
+      kf[i] = lynx::to_float(kb[i]), vf[i] = lynx::to_float(vb[i]);
     const auto ref = reference(kf, vf, T, tk, tv, H, D, q, 3, qh, causal, scale);
     const auto out = run_device(prompt, dtail, dq.data(), 3, qh, D, causal);
     CHECK(worst_ratio(out, ref, D) <= 1.0);
-    const lynx::dense_prompt<bf16> host_prompt{lynx::token_major<const bf16>(kb.data(), shape), lynx::token_major<const bf16>(vb.data(), shape)};
-    CHECK(worst_vs_host(out, run_host(host_prompt, tk, tv, {20, H, D}, q.data(), 3, qh, D, causal), ref, D) <= 1.0);
+    const lynx::dense_prompt<bf16> host_prompt{lynx::token_major<const bf16>(kb.data(), shape),
+                                               lynx::token_major<const bf16>(vb.data(), shape)};
+    CHECK(worst_vs_host(out, run_host(host_prompt, tk, tv, {20, H, D}, q.data(), 3, qh, D, causal),
+                        ref, D) <= 1.0);
   }
 }

@@ -28,7 +28,8 @@ TEST_CASE("README quotes examples/quickstart.cpp verbatim") {
   const auto end = example.find(marker, begin + marker.size());
   REQUIRE(end != std::string::npos);
   const std::string region = example.substr(begin, end + marker.size() - begin);
-  CHECK_MESSAGE(readme.find(region) != std::string::npos, "README.md's quickstart block differs from examples/quickstart.cpp");
+  CHECK_MESSAGE(readme.find(region) != std::string::npos,
+                "README.md's quickstart block differs from examples/quickstart.cpp");
 }
 
 TEST_CASE("README names the two commands CI and users run") {

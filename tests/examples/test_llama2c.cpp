@@ -86,7 +86,8 @@ void check_batch_invariance(const ll::weights& w, const std::vector<int>& prompt
     (void)e.prefill(prompt);
     std::vector<float> all;
     for (std::size_t at = 0; at < continuation.size(); at += static_cast<std::size_t>(k)) {
-      const std::size_t n = std::min<std::size_t>(static_cast<std::size_t>(k), continuation.size() - at);
+      const std::size_t n =
+          std::min<std::size_t>(static_cast<std::size_t>(k), continuation.size() - at);
       const std::vector<int> chunk(continuation.begin() + static_cast<std::ptrdiff_t>(at),
                                    continuation.begin() + static_cast<std::ptrdiff_t>(at + n));
       const std::vector<float> l = e.decode(chunk, e.position());
@@ -119,7 +120,8 @@ void check_rollback(const ll::weights& w, const std::vector<int>& prompt,
   (void)e.decode(std::vector<int>(continuation.begin(), continuation.begin() + 3), e.position());
   std::vector<int> drafts(5);
   for (int i = 0; i < 5; ++i)
-    drafts[static_cast<std::size_t>(i)] = (continuation[static_cast<std::size_t>(3 + i)] + 7 + i) % w.cfg().vocab_size;
+    drafts[static_cast<std::size_t>(i)] =
+        (continuation[static_cast<std::size_t>(3 + i)] + 7 + i) % w.cfg().vocab_size;
   const std::vector<float> wrong = e.decode(drafts, e.position());
   CHECK(e.cache().tail_length() == 8);
   e.truncate_tail(5);
@@ -192,7 +194,8 @@ TEST_CASE("real model: tokenizer round trip") {
       "Hello world",
       "x",
       "",
-      "caf\xc3\xa9 \xe2\x9c\x93 \xe6\x97\xa5\xe6\x9c\xac",  // code points missing from the vocab: byte fallback
+      "caf\xc3\xa9 \xe2\x9c\x93 \xe6\x97\xa5\xe6\x9c\xac",  // code points missing from the vocab:
+                                                            // byte fallback
       "  two  spaces\nand a newline\ttab",
   };
   for (const std::string& text : texts) {
@@ -210,7 +213,8 @@ TEST_CASE("real model: tokenizer round trip") {
   for (const std::string& text : texts) {
     const std::vector<int> ids = tok.encode(text, false);
     for (std::size_t i = 0; i + 1 < ids.size(); ++i)
-      CHECK(tok.lookup(std::string(tok.vocab_piece(ids[i])) + std::string(tok.vocab_piece(ids[i + 1]))) < 0);
+      CHECK(tok.lookup(std::string(tok.vocab_piece(ids[i])) +
+                       std::string(tok.vocab_piece(ids[i + 1]))) < 0);
   }
   std::string pieces;
   for (int id = 259; id < 299; ++id) pieces += tok.vocab_piece(id);
@@ -235,7 +239,8 @@ TEST_CASE("checkpoint errors are clear") {
                      builtin.parameters().begin(), builtin.parameters().end()));
   }
   std::vector<char> bytes(static_cast<std::size_t>(std::filesystem::file_size(good)));
-  std::ifstream(good, std::ios::binary).read(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  std::ifstream(good, std::ios::binary)
+      .read(bytes.data(), static_cast<std::streamsize>(bytes.size()));
   auto write = [](const std::filesystem::path& p, const char* data, std::size_t n) {
     std::ofstream(p, std::ios::binary).write(data, static_cast<std::streamsize>(n));
   };
@@ -258,7 +263,8 @@ TEST_CASE("checkpoint errors are clear") {
 
   if (std::filesystem::exists(model_path)) {
     std::vector<char> real(static_cast<std::size_t>(std::filesystem::file_size(model_path)));
-    std::ifstream(model_path, std::ios::binary).read(real.data(), static_cast<std::streamsize>(real.size()));
+    std::ifstream(model_path, std::ios::binary)
+        .read(real.data(), static_cast<std::streamsize>(real.size()));
     write(bad, real.data(), real.size() / 2);
     CHECK_THROWS_WITH_AS(ll::weights{bad}, doctest::Contains("truncated"), std::runtime_error);
   }
@@ -283,7 +289,8 @@ TEST_CASE("real model: batch invariance, prefill consistency, rollback") {
 // English; the checks that need real text run only when the pair matches.)
 bool tokenizer_speaks_english(const ll::tokenizer& tok) {
   for (const int id : tok.encode("Once upon a time there was a little girl", false))
-    if (id >= ll::tokenizer::first_byte_token && id < ll::tokenizer::first_byte_token + 256) return false;
+    if (id >= ll::tokenizer::first_byte_token && id < ll::tokenizer::first_byte_token + 256)
+      return false;
   return true;
 }
 
@@ -304,7 +311,8 @@ TEST_CASE("real model: greedy generation is deterministic and varied") {
   std::string ids;
   for (const int t : shown) ids += std::to_string(t) + " ";
   const std::string text = tok.decode(shown);
-  MESSAGE("stories260K greedy, 40 tokens after the prompt: " << ids << "\ntext: \"" << text << "\"");
+  MESSAGE("stories260K greedy, 40 tokens after the prompt: " << ids << "\ntext: \"" << text
+                                                             << "\"");
   if (english) {
     int letters = 0;
     for (const char ch : text) {
@@ -313,8 +321,9 @@ TEST_CASE("real model: greedy generation is deterministic and varied") {
     }
     CHECK(letters > static_cast<int>(text.size()) / 2);
   } else {
-    MESSAGE("tok512.bin does not match stories260K (English falls back to bytes): "
-            "story-text checks skipped");
+    MESSAGE(
+        "tok512.bin does not match stories260K (English falls back to bytes): "
+        "story-text checks skipped");
   }
   // Sampled prompts are varied and deterministic in the seed.
   const std::vector<int> p1 = ll::sample_prompt(w, 3, 200), p2 = ll::sample_prompt(w, 3, 200);
@@ -375,8 +384,9 @@ TEST_CASE("engine rejects bad input") {
   ll::engine<> e(w);
   CHECK_THROWS_AS((void)e.prefill(std::vector<int>{}), std::invalid_argument);
   CHECK_THROWS_AS((void)e.prefill(std::vector<int>{1, 256}), std::out_of_range);
-  CHECK_THROWS_AS((void)e.prefill(std::vector<int>(static_cast<std::size_t>(w.cfg().seq_len) + 1, 1)),
-                  std::out_of_range);
+  CHECK_THROWS_AS(
+      (void)e.prefill(std::vector<int>(static_cast<std::size_t>(w.cfg().seq_len) + 1, 1)),
+      std::out_of_range);
   (void)e.prefill(std::vector<int>(static_cast<std::size_t>(w.cfg().seq_len) - 1, 1));
   (void)e.decode(std::vector<int>{1}, e.position());
   CHECK_THROWS_AS((void)e.decode(std::vector<int>{1}, e.position()), std::out_of_range);

@@ -24,14 +24,16 @@ constexpr int prompts = 20;
 constexpr int committed_tokens = 64;
 
 const ll::weights* real_model() {
-  static const std::filesystem::path path = std::filesystem::path(LYNX_SHARED_DIR) / "models" / "stories260K.bin";
+  static const std::filesystem::path path =
+      std::filesystem::path(LYNX_SHARED_DIR) / "models" / "stories260K.bin";
   static const ll::weights* model = std::filesystem::exists(path) ? new ll::weights(path) : nullptr;
   return model;
 }
 
 bool model_or_skip() {
   if (real_model() != nullptr) return true;
-  if (std::getenv("CI") != nullptr) FAIL("stories260K.bin missing from " LYNX_SHARED_DIR "/models: CI must have it");
+  if (std::getenv("CI") != nullptr)
+    FAIL("stories260K.bin missing from " LYNX_SHARED_DIR "/models: CI must have it");
   MESSAGE("SKIPPED: stories260K.bin not found under " LYNX_SHARED_DIR "/models");
   return false;
 }
@@ -53,28 +55,32 @@ struct landing {
 };
 
 template <class Plan>
-std::vector<int> plain_greedy(const ll::weights& w, const ll::prompt_tensors<Plan>& tensors, const prefilled& p) {
+std::vector<int> plain_greedy(const ll::weights& w, const ll::prompt_tensors<Plan>& tensors,
+                              const prefilled& p) {
   ll::lynx_decode_engine<Plan> e(w, tensors, static_cast<int>(p.prompt.size()));
   std::vector<int> out{p.first_token};
   std::vector<float> row(static_cast<std::size_t>(w.cfg().vocab_size));
   while (static_cast<int>(out.size()) < committed_tokens) {
     const int t = out.back();
-    e.forward({&t, 1}, static_cast<std::int64_t>(p.prompt.size() + out.size() - 1), Plan::streams, row);
+    e.forward({&t, 1}, static_cast<std::int64_t>(p.prompt.size() + out.size() - 1), Plan::streams,
+              row);
     out.push_back(lynx::argmax_token(row));
   }
   return out;
 }
 
 template <class Plan>
-std::vector<int> lynx_session(const ll::weights& w, const ll::prompt_tensors<Plan>& tensors, const prefilled& p, const landing& land,
-                              int max_draft, lynx::session_stats& stats) {
+std::vector<int> lynx_session(const ll::weights& w, const ll::prompt_tensors<Plan>& tensors,
+                              const prefilled& p, const landing& land, int max_draft,
+                              lynx::session_stats& stats) {
   ll::lynx_decode_engine<Plan> e(w, tensors, static_cast<int>(p.prompt.size()));
   lynx::session_options o;
   o.max_draft = max_draft;
   o.max_new_tokens = committed_tokens;
   std::vector<int> streamed;
-  lynx::progressive_session session(e, lynx::greedy_verifier{}, Plan::streams, static_cast<std::int64_t>(p.prompt.size()), p.first_token,
-                                    o, [&](std::int32_t token, std::int64_t) { streamed.push_back(token); });
+  lynx::progressive_session session(
+      e, lynx::greedy_verifier{}, Plan::streams, static_cast<std::int64_t>(p.prompt.size()),
+      p.first_token, o, [&](std::int32_t token, std::int64_t) { streamed.push_back(token); });
   int steps = 0;
   while (!session.finished()) {
     for (std::size_t l = 0; l < land.level_at_step.size(); ++l)
@@ -92,7 +98,8 @@ std::vector<int> lynx_session(const ll::weights& w, const ll::prompt_tensors<Pla
 }
 
 template <class Plan>
-void check_plan(const std::vector<landing>& landings, std::vector<std::vector<int>>* fp32_reference) {
+void check_plan(const std::vector<landing>& landings,
+                std::vector<std::vector<int>>* fp32_reference) {
   const ll::weights& w = *real_model();
   constexpr int max_draft = 8;
   lynx::session_stats stats;
@@ -107,7 +114,9 @@ void check_plan(const std::vector<landing>& landings, std::vector<std::vector<in
     const std::vector<int> want = plain_greedy<Plan>(w, tensors, p);
     if (fp32_reference != nullptr) {
       const std::vector<int>& fp32 = (*fp32_reference)[static_cast<std::size_t>(seed)];
-      if (want != fp32) MESSAGE("prompt " << seed << ": " << Plan::name() << " greedy tokens differ from the fp32 cache's");
+      if (want != fp32)
+        MESSAGE("prompt " << seed << ": " << Plan::name()
+                          << " greedy tokens differ from the fp32 cache's");
       CHECK(want == fp32);
     }
     for (const landing& land : landings) {
@@ -116,8 +125,9 @@ void check_plan(const std::vector<landing>& landings, std::vector<std::vector<in
       ++sessions;
     }
   }
-  MESSAGE(Plan::name() << ": " << sessions << " sessions exact; drafts " << stats.draft_tokens << ", acceptance rate "
-                       << stats.acceptance_rate() << ", mean accepted per verification " << stats.mean_accepted_length());
+  MESSAGE(Plan::name() << ": " << sessions << " sessions exact; drafts " << stats.draft_tokens
+                       << ", acceptance rate " << stats.acceptance_rate()
+                       << ", mean accepted per verification " << stats.mean_accepted_length());
 }
 
 // Plain greedy decoding over the exact fp32 prompt cache (no quantization).
@@ -136,7 +146,10 @@ std::vector<std::vector<int>> fp32_references() {
 
 TEST_CASE("8 = 4 + 4: greedy Lynx sessions commit exactly plain greedy decoding at 8 bits") {
   if (!model_or_skip()) return;
-  check_plan<lynx::plan_8_4_4>({{"before the first draft", {0, 0}}, {"mid-draft", {0, 3}}, {"after the draft limit", {0, 20}}}, nullptr);
+  check_plan<lynx::plan_8_4_4>({{"before the first draft", {0, 0}},
+                                {"mid-draft", {0, 3}},
+                                {"after the draft limit", {0, 20}}},
+                               nullptr);
 }
 
 TEST_CASE("8 = 2 + 2 + 4: exact, verifying at each level") {
@@ -151,5 +164,8 @@ TEST_CASE("8 = 2 + 2 + 4: exact, verifying at each level") {
 TEST_CASE("16 = 4 + 12: exact, and equal to decoding with the unquantized fp32 cache") {
   if (!model_or_skip()) return;
   auto refs = fp32_references();
-  check_plan<lynx::plan_16_4_12>({{"before the first draft", {0, 0}}, {"mid-draft", {0, 3}}, {"after the draft limit", {0, 20}}}, &refs);
+  check_plan<lynx::plan_16_4_12>({{"before the first draft", {0, 0}},
+                                  {"mid-draft", {0, 3}},
+                                  {"after the draft limit", {0, 20}}},
+                                 &refs);
 }

@@ -43,19 +43,23 @@ constexpr std::uint64_t generation = 7;
 clock_type::time_point in(clock_type::duration d) { return clock_type::now() + d; }
 
 const ll::weights* real_model() {
-  static const std::filesystem::path path = std::filesystem::path(LYNX_SHARED_DIR) / "models" / "stories260K.bin";
+  static const std::filesystem::path path =
+      std::filesystem::path(LYNX_SHARED_DIR) / "models" / "stories260K.bin";
   static const ll::weights* model = std::filesystem::exists(path) ? new ll::weights(path) : nullptr;
   return model;
 }
 
 bool model_or_skip() {
   if (real_model() != nullptr) return true;
-  if (std::getenv("CI") != nullptr) FAIL("stories260K.bin missing from " LYNX_SHARED_DIR "/models: CI must have it");
+  if (std::getenv("CI") != nullptr)
+    FAIL("stories260K.bin missing from " LYNX_SHARED_DIR "/models: CI must have it");
   MESSAGE("SKIPPED: stories260K.bin not found under " LYNX_SHARED_DIR "/models");
   return false;
 }
 
-std::vector<int> prompt_of(std::uint64_t seed) { return ll::sample_prompt(*real_model(), seed, prompt_tokens); }
+std::vector<int> prompt_of(std::uint64_t seed) {
+  return ll::sample_prompt(*real_model(), seed, prompt_tokens);
+}
 
 /// Bytes of one residual segment (stream 1) of this request: a scheduler window
 /// of exactly that keeps the prefill process from running ahead of the decode
@@ -63,7 +67,8 @@ std::vector<int> prompt_of(std::uint64_t seed) { return ll::sample_prompt(*real_
 template <class Plan>
 std::size_t residual_segment_bytes() {
   const ll::config& c = real_model()->cfg();
-  return lynx::segment_bytes(lynx::make_geometry<Plan, 32>(lynx::kv_shape{prompt_tokens, c.n_kv_heads, c.head_size()}), 1);
+  return lynx::segment_bytes(
+      lynx::make_geometry<Plan, 32>(lynx::kv_shape{prompt_tokens, c.n_kv_heads, c.head_size()}), 1);
 }
 
 /// What the prefill process does wrong, if anything. A faulty one sends every
@@ -78,7 +83,8 @@ struct prefill_fault {
 /// The prefill process: connects to the decode side's port, runs the prefill
 /// node, exits 0 when every segment was delivered.
 template <class Plan>
-int prefill_process(std::uint16_t port, const std::vector<int>& prompt, prefill_fault fault, std::vector<lynx::segment_id> only) {
+int prefill_process(std::uint16_t port, const std::vector<int>& prompt, prefill_fault fault,
+                    std::vector<lynx::segment_id> only) {
   auto sender = lynx::tcp_sender::connect("127.0.0.1", port, in(10s));
   dg::prefill_node_options<lynx::tcp_sender> o;
   o.generation = generation;
@@ -88,12 +94,16 @@ int prefill_process(std::uint16_t port, const std::vector<int>& prompt, prefill_
   if (fault.kind != prefill_fault::none) {
     for (int l = 0; l < real_model()->cfg().n_layers; ++l) {
       o.only.push_back({static_cast<std::uint32_t>(l), 0, generation});
-      for (int s = 1; s < Plan::streams && l < fault.residual_layers; ++s) o.only.push_back({static_cast<std::uint32_t>(l), s, generation});
+      for (int s = 1; s < Plan::streams && l < fault.residual_layers; ++s)
+        o.only.push_back({static_cast<std::uint32_t>(l), s, generation});
     }
   }
-  const bool ok = dg::run_prefill_node<Plan>(sender, *real_model(), prompt, o).status == lynx::errc::ok;
-  if (fault.kind == prefill_fault::die) ::raise(SIGKILL);  // mid-residual: the rest of it never comes
-  if (fault.kind == prefill_fault::stall) std::this_thread::sleep_for(60s);  // link open, nothing sent; the alarm or the test ends it
+  const bool ok =
+      dg::run_prefill_node<Plan>(sender, *real_model(), prompt, o).status == lynx::errc::ok;
+  if (fault.kind == prefill_fault::die)
+    ::raise(SIGKILL);  // mid-residual: the rest of it never comes
+  if (fault.kind == prefill_fault::stall)
+    std::this_thread::sleep_for(60s);  // link open, nothing sent; the alarm or the test ends it
   return ok ? 0 : 1;
 }
 
@@ -101,18 +111,21 @@ struct run_outcome {
   dg::decode_result decode;
   int prefill_exit = -2, resend_exit = -2;
   double decode_seconds = 0;  // wall time of run_decode_node
-  std::size_t held_after = 0;  // segments the receiver still held at the end (must be 0: released after accept)
+  std::size_t held_after =
+      0;  // segments the receiver still held at the end (must be 0: released after accept)
 };
 
 /// One request: the prefill in a forked process, the decode node here, over TCP.
 /// With the rerequest policy, a resend starts a second prefill process that
 /// sends only the missing segments on a new connection.
 template <class Plan>
-run_outcome run_tcp(const std::vector<int>& prompt, prefill_fault fault, lynx::failure_options failure,
+run_outcome run_tcp(const std::vector<int>& prompt, prefill_fault fault,
+                    lynx::failure_options failure,
                     lynx::request_deadlines deadlines = {10'000ms, 10'000ms, 60'000ms}) {
   lynx::tcp_listener listener;
   const std::uint16_t port = listener.port();
-  lynx::test::child_process prefill([&] { return prefill_process<Plan>(port, prompt, fault, {}); }, 60);
+  lynx::test::child_process prefill([&] { return prefill_process<Plan>(port, prompt, fault, {}); },
+                                    60);
   REQUIRE(prefill.started());
   std::unique_ptr<lynx::test::child_process> resender;
   auto receiver = lynx::tcp_receiver::accept(listener, in(10s));
@@ -131,12 +144,14 @@ run_outcome run_tcp(const std::vector<int>& prompt, prefill_fault fault, lynx::f
     // The old process is dead: reap it before forking another from this (single-threaded) process.
     out.prefill_exit = prefill.wait(in(10s));
     const auto missing = req.missing;
-    resender = std::make_unique<lynx::test::child_process>([&, missing] { return prefill_process<Plan>(port, prompt, {}, missing); }, 60);
+    resender = std::make_unique<lynx::test::child_process>(
+        [&, missing] { return prefill_process<Plan>(port, prompt, {}, missing); }, 60);
     resent.emplace(lynx::tcp_receiver::accept(listener, in(10s)));
     return &*resent;
   };
   const auto t0 = clock_type::now();
-  out.decode = dg::run_decode_node<Plan>(*real_model(), static_cast<int>(prompt.size()), receiver, o, hooks);
+  out.decode =
+      dg::run_decode_node<Plan>(*real_model(), static_cast<int>(prompt.size()), receiver, o, hooks);
   out.decode_seconds = std::chrono::duration<double>(clock_type::now() - t0).count();
   out.held_after = receiver.held() + (resent ? resent->held() : 0);
   if (fault.kind == prefill_fault::stall) prefill.kill(SIGKILL);
@@ -153,13 +168,16 @@ std::vector<int> tokens_of(const dg::decode_result& r) {
 
 }  // namespace
 
-TEST_CASE("two processes over TCP, 8 = 4 + 4: committed tokens equal plain greedy decoding with every plane present") {
+TEST_CASE(
+    "two processes over TCP, 8 = 4 + 4: committed tokens equal plain greedy decoding with every "
+    "plane present") {
   ::alarm(300);
   if (!model_or_skip()) return;
   for (const std::uint64_t seed : {1u, 2u, 3u}) {
     CAPTURE(seed);
     const auto prompt = prompt_of(seed);
-    const auto want = dg::plain_greedy_reference<lynx::plan_8_4_4>(*real_model(), prompt, committed_tokens);
+    const auto want =
+        dg::plain_greedy_reference<lynx::plan_8_4_4>(*real_model(), prompt, committed_tokens);
     const run_outcome r = run_tcp<lynx::plan_8_4_4>(prompt, {}, {});
     CHECK(r.decode.outcome == lynx::request_outcome::completed);
     CHECK(r.decode.failures.empty());
@@ -171,11 +189,12 @@ TEST_CASE("two processes over TCP, 8 = 4 + 4: committed tokens equal plain greed
     CHECK(r.decode.segments_accepted == 2 * real_model()->cfg().n_layers);
     CHECK(r.decode.rejected.empty());
     CHECK(r.held_after == 0);
-    CHECK(r.prefill_exit == 0);  // every segment acked: delivered, buffers released after their final completion
+    CHECK(r.prefill_exit ==
+          0);  // every segment acked: delivered, buffers released after their final completion
     CHECK(r.decode.tl.anchor_landed >= 0);
     CHECK(r.decode.tl.residual_landed >= r.decode.tl.anchor_landed);
-    MESSAGE("seed " << seed << ": decode " << r.decode_seconds * 1e3 << " ms; drafts accepted " << r.decode.tl.accepted_drafts << " of "
-                    << r.decode.tl.verified_drafts);
+    MESSAGE("seed " << seed << ": decode " << r.decode_seconds * 1e3 << " ms; drafts accepted "
+                    << r.decode.tl.accepted_drafts << " of " << r.decode.tl.verified_drafts);
   }
 }
 
@@ -195,12 +214,16 @@ TEST_CASE("two processes over TCP, 16 = 4 + 12: committed tokens equal fp32 gree
   }
 }
 
-TEST_CASE("prefill killed mid-residual, fail_request: the decode side reports a failed request at once, nothing more committed") {
+TEST_CASE(
+    "prefill killed mid-residual, fail_request: the decode side reports a failed request at once, "
+    "nothing more committed") {
   ::alarm(120);
   if (!model_or_skip()) return;
   const auto prompt = prompt_of(11);
-  const auto want = dg::plain_greedy_reference<lynx::plan_8_4_4>(*real_model(), prompt, committed_tokens);
-  const run_outcome r = run_tcp<lynx::plan_8_4_4>(prompt, {.kind = prefill_fault::die}, {lynx::failure_policy::fail_request});
+  const auto want =
+      dg::plain_greedy_reference<lynx::plan_8_4_4>(*real_model(), prompt, committed_tokens);
+  const run_outcome r = run_tcp<lynx::plan_8_4_4>(prompt, {.kind = prefill_fault::die},
+                                                  {lynx::failure_policy::fail_request});
   CHECK(r.prefill_exit == 128 + SIGKILL);
   CHECK(r.decode.outcome == lynx::request_outcome::failed);
   REQUIRE(r.decode.failures.size() == 1);
@@ -219,15 +242,19 @@ TEST_CASE("prefill killed mid-residual, fail_request: the decode side reports a 
   CHECK(r.held_after == 0);
 }
 
-TEST_CASE("prefill killed mid-residual, continue_unverified: tokens keep coming, every one after the failure marked unverified") {
+TEST_CASE(
+    "prefill killed mid-residual, continue_unverified: tokens keep coming, every one after the "
+    "failure marked unverified") {
   ::alarm(120);
   if (!model_or_skip()) return;
   const auto prompt = prompt_of(12);
-  const auto want = dg::plain_greedy_reference<lynx::plan_8_4_4>(*real_model(), prompt, committed_tokens);
+  const auto want =
+      dg::plain_greedy_reference<lynx::plan_8_4_4>(*real_model(), prompt, committed_tokens);
   // Decoding on at the anchor alone: plain greedy decoding at level 1 of the same cache.
-  const auto anchor_only = dg::plain_greedy_reference<lynx::plan_8_4_4>(*real_model(), prompt, committed_tokens, 1);
-  const run_outcome r =
-      run_tcp<lynx::plan_8_4_4>(prompt, {.kind = prefill_fault::die}, {lynx::failure_policy::continue_unverified});
+  const auto anchor_only =
+      dg::plain_greedy_reference<lynx::plan_8_4_4>(*real_model(), prompt, committed_tokens, 1);
+  const run_outcome r = run_tcp<lynx::plan_8_4_4>(prompt, {.kind = prefill_fault::die},
+                                                  {lynx::failure_policy::continue_unverified});
   CHECK(r.prefill_exit == 128 + SIGKILL);
   CHECK(r.decode.outcome == lynx::request_outcome::completed_unverified);
   REQUIRE(r.decode.failures.size() == 1);
@@ -238,22 +265,29 @@ TEST_CASE("prefill killed mid-residual, continue_unverified: tokens keep coming,
   std::size_t verified = 0;
   while (verified < r.decode.commits.size() && r.decode.commits[verified].verified) ++verified;
   CHECK(verified >= 1);
-  for (std::size_t i = verified; i < r.decode.commits.size(); ++i) CHECK_FALSE(r.decode.commits[i].verified);
-  CHECK(r.decode.stats.unverified_tokens == static_cast<std::int64_t>(r.decode.commits.size() - verified));
+  for (std::size_t i = verified; i < r.decode.commits.size(); ++i)
+    CHECK_FALSE(r.decode.commits[i].verified);
+  CHECK(r.decode.stats.unverified_tokens ==
+        static_cast<std::int64_t>(r.decode.commits.size() - verified));
   for (std::size_t i = 0; i < verified; ++i) CHECK(r.decode.commits[i].token == want[i]);
   CHECK(tokens_of(r.decode) == anchor_only);
   std::size_t same = 0;
   while (same < want.size() && want[same] == anchor_only[same]) ++same;
-  MESSAGE("verified prefix " << verified << " tokens; anchor-only decoding agrees with 8-bit for " << same << " of " << committed_tokens);
+  MESSAGE("verified prefix " << verified << " tokens; anchor-only decoding agrees with 8-bit for "
+                             << same << " of " << committed_tokens);
   CHECK(r.held_after == 0);
 }
 
-TEST_CASE("prefill killed mid-residual, rerequest: a second prefill process resends the missing segments; tokens equal the reference") {
+TEST_CASE(
+    "prefill killed mid-residual, rerequest: a second prefill process resends the missing "
+    "segments; tokens equal the reference") {
   ::alarm(120);
   if (!model_or_skip()) return;
   const auto prompt = prompt_of(13);
-  const auto want = dg::plain_greedy_reference<lynx::plan_8_4_4>(*real_model(), prompt, committed_tokens);
-  const run_outcome r = run_tcp<lynx::plan_8_4_4>(prompt, {.kind = prefill_fault::die}, {lynx::failure_policy::rerequest, 1});
+  const auto want =
+      dg::plain_greedy_reference<lynx::plan_8_4_4>(*real_model(), prompt, committed_tokens);
+  const run_outcome r = run_tcp<lynx::plan_8_4_4>(prompt, {.kind = prefill_fault::die},
+                                                  {lynx::failure_policy::rerequest, 1});
   CHECK(r.prefill_exit == 128 + SIGKILL);
   CHECK(r.resend_exit == 0);
   CHECK(r.decode.rerequests == 1);
@@ -268,13 +302,17 @@ TEST_CASE("prefill killed mid-residual, rerequest: a second prefill process rese
   CHECK(r.held_after == 0);
 }
 
-TEST_CASE("rerequest that cannot be answered falls back to after_rerequests; a stalled prefill is caught by the residual deadline") {
+TEST_CASE(
+    "rerequest that cannot be answered falls back to after_rerequests; a stalled prefill is caught "
+    "by the residual deadline") {
   ::alarm(120);
   if (!model_or_skip()) return;
   const auto prompt = prompt_of(14);
   // The prefill stops sending but keeps the link open: only the deadline can tell.
-  lynx::failure_options f{lynx::failure_policy::rerequest, 0, lynx::failure_policy::continue_unverified};
-  const run_outcome r = run_tcp<lynx::plan_8_4_4>(prompt, {.kind = prefill_fault::stall}, f, {10'000ms, 700ms, 60'000ms});
+  lynx::failure_options f{lynx::failure_policy::rerequest, 0,
+                          lynx::failure_policy::continue_unverified};
+  const run_outcome r = run_tcp<lynx::plan_8_4_4>(prompt, {.kind = prefill_fault::stall}, f,
+                                                  {10'000ms, 700ms, 60'000ms});
   REQUIRE(r.decode.failures.size() == 1);
   CHECK(r.decode.failures[0].status == lynx::errc::timeout);
   CHECK(r.decode.failures[0].applied == lynx::failure_policy::continue_unverified);
@@ -285,19 +323,22 @@ TEST_CASE("rerequest that cannot be answered falls back to after_rerequests; a s
   CHECK(r.prefill_exit == 128 + SIGKILL);  // killed by the test after the decode side let go
 
   // The same stall with fail_request: a failed request, reported at the deadline.
-  const run_outcome g = run_tcp<lynx::plan_8_4_4>(prompt, {.kind = prefill_fault::stall}, {lynx::failure_policy::fail_request},
-                                                  {10'000ms, 700ms, 60'000ms});
+  const run_outcome g =
+      run_tcp<lynx::plan_8_4_4>(prompt, {.kind = prefill_fault::stall},
+                                {lynx::failure_policy::fail_request}, {10'000ms, 700ms, 60'000ms});
   CHECK(g.decode.outcome == lynx::request_outcome::failed);
   REQUIRE(g.decode.failures.size() == 1);
   CHECK(g.decode.failures[0].status == lynx::errc::timeout);
   CHECK(g.decode_seconds < 10.0);
 }
 
-TEST_CASE("segments of the previous generation are ignored and reported; the request is still exact") {
+TEST_CASE(
+    "segments of the previous generation are ignored and reported; the request is still exact") {
   ::alarm(120);
   if (!model_or_skip()) return;
   const auto prompt = prompt_of(15);
-  const auto want = dg::plain_greedy_reference<lynx::plan_8_4_4>(*real_model(), prompt, committed_tokens);
+  const auto want =
+      dg::plain_greedy_reference<lynx::plan_8_4_4>(*real_model(), prompt, committed_tokens);
   const int layers = real_model()->cfg().n_layers;
   const run_outcome r = run_tcp<lynx::plan_8_4_4>(prompt, {.stale_layers = layers}, {});
   CHECK(r.decode.outcome == lynx::request_outcome::completed);
@@ -308,13 +349,15 @@ TEST_CASE("segments of the previous generation are ignored and reported; the req
     CHECK(x.id.generation == generation - 1);
     CHECK(x.id.stream == 0);
   }
-  CHECK(tokens_of(r.decode) == want);  // the stale anchors carry other contents: applied, they would change the tokens
+  CHECK(tokens_of(r.decode) ==
+        want);  // the stale anchors carry other contents: applied, they would change the tokens
   CHECK(r.held_after == 0);
   CHECK(r.prefill_exit == 0);
 }
 
 #if defined(LYNX_WITH_UCX)
-TEST_CASE("two processes over UCX (tcp on lo), 8 = 4 + 4: committed tokens equal plain greedy decoding") {
+TEST_CASE(
+    "two processes over UCX (tcp on lo), 8 = 4 + 4: committed tokens equal plain greedy decoding") {
   ::alarm(120);
   if (!model_or_skip()) return;
   ::setenv("UCX_TLS", "tcp", 1);
@@ -325,16 +368,20 @@ TEST_CASE("two processes over UCX (tcp on lo), 8 = 4 + 4: committed tokens equal
   int fds[2];
   REQUIRE(::pipe(fds) == 0);
   // UCX state is never forked: the child is forked first and learns the port through a pipe.
-  lynx::test::child_process prefill([&] {
-    std::uint16_t port = 0;
-    if (::read(fds[0], &port, sizeof port) != static_cast<ssize_t>(sizeof port)) return 3;
-    lynx::ucx_sender sender("127.0.0.1", port, in(10s));
-    dg::prefill_node_options<lynx::ucx_sender> o;
-    o.generation = generation;
-    o.residual_window = residual_segment_bytes<plan>();
-    o.stale_anchor_layers = 1;
-    return dg::run_prefill_node<plan>(sender, *real_model(), prompt, o).status == lynx::errc::ok ? 0 : 1;
-  }, 60);
+  lynx::test::child_process prefill(
+      [&] {
+        std::uint16_t port = 0;
+        if (::read(fds[0], &port, sizeof port) != static_cast<ssize_t>(sizeof port)) return 3;
+        lynx::ucx_sender sender("127.0.0.1", port, in(10s));
+        dg::prefill_node_options<lynx::ucx_sender> o;
+        o.generation = generation;
+        o.residual_window = residual_segment_bytes<plan>();
+        o.stale_anchor_layers = 1;
+        return dg::run_prefill_node<plan>(sender, *real_model(), prompt, o).status == lynx::errc::ok
+                   ? 0
+                   : 1;
+      },
+      60);
   std::unique_ptr<lynx::ucx_receiver> receiver;
   try {
     receiver = std::make_unique<lynx::ucx_receiver>("127.0.0.1", 0);
@@ -360,7 +407,9 @@ TEST_CASE("two processes over UCX (tcp on lo), 8 = 4 + 4: committed tokens equal
   ::close(fds[1]);
 }
 
-TEST_CASE("UCX: prefill killed mid-residual, fail_request: reported as a failed request within the deadline") {
+TEST_CASE(
+    "UCX: prefill killed mid-residual, fail_request: reported as a failed request within the "
+    "deadline") {
   ::alarm(120);
   if (!model_or_skip()) return;
   ::setenv("UCX_TLS", "tcp", 1);
@@ -369,19 +418,23 @@ TEST_CASE("UCX: prefill killed mid-residual, fail_request: reported as a failed 
   const auto prompt = prompt_of(22);
   int fds[2];
   REQUIRE(::pipe(fds) == 0);
-  lynx::test::child_process prefill([&] {
-    std::uint16_t port = 0;
-    if (::read(fds[0], &port, sizeof port) != static_cast<ssize_t>(sizeof port)) return 3;
-    lynx::ucx_sender sender("127.0.0.1", port, in(10s));
-    dg::prefill_node_options<lynx::ucx_sender> o;
-    o.generation = generation;
-    o.residual_window = residual_segment_bytes<plan>();
-    int residuals = 0;
-    o.on_final = [&](const auto& rec) {
-      if (rec.delivered && rec.id.stream != 0 && ++residuals == 2) ::raise(SIGKILL);
-    };
-    return dg::run_prefill_node<plan>(sender, *real_model(), prompt, o).status == lynx::errc::ok ? 0 : 1;
-  }, 60);
+  lynx::test::child_process prefill(
+      [&] {
+        std::uint16_t port = 0;
+        if (::read(fds[0], &port, sizeof port) != static_cast<ssize_t>(sizeof port)) return 3;
+        lynx::ucx_sender sender("127.0.0.1", port, in(10s));
+        dg::prefill_node_options<lynx::ucx_sender> o;
+        o.generation = generation;
+        o.residual_window = residual_segment_bytes<plan>();
+        int residuals = 0;
+        o.on_final = [&](const auto& rec) {
+          if (rec.delivered && rec.id.stream != 0 && ++residuals == 2) ::raise(SIGKILL);
+        };
+        return dg::run_prefill_node<plan>(sender, *real_model(), prompt, o).status == lynx::errc::ok
+                   ? 0
+                   : 1;
+      },
+      60);
   std::unique_ptr<lynx::ucx_receiver> receiver;
   try {
     receiver = std::make_unique<lynx::ucx_receiver>("127.0.0.1", 0);
@@ -410,6 +463,8 @@ TEST_CASE("UCX: prefill killed mid-residual, fail_request: reported as a failed 
 }
 #else
 TEST_CASE("two processes over UCX") {
-  MESSAGE("SKIPPED: built without UCX (the test links lynx::ucx only when the build adds it; LYNX_WITH_UCX undefined)");
+  MESSAGE(
+      "SKIPPED: built without UCX (the test links lynx::ucx only when the build adds it; "
+      "LYNX_WITH_UCX undefined)");
 }
 #endif

@@ -43,16 +43,19 @@ struct config {
   static constexpr int group = GroupSize;
 };
 
-#define LYNX_TEST_CONFIGS_OF(P)                                                                                    \
-  config<lynx::P, float, 32>, config<lynx::P, lynx::bf16, 32>, config<lynx::P, lynx::fp16, 32>,                   \
+#define LYNX_TEST_CONFIGS_OF(P)                                                                 \
+  config<lynx::P, float, 32>, config<lynx::P, lynx::bf16, 32>, config<lynx::P, lynx::fp16, 32>, \
       config<lynx::P, float, 64>, config<lynx::P, lynx::bf16, 64>, config<lynx::P, lynx::fp16, 64>
-using all_configs = std::tuple<LYNX_TEST_CONFIGS_OF(plan_8_4_4), LYNX_TEST_CONFIGS_OF(plan_8_2_2_4), LYNX_TEST_CONFIGS_OF(plan_16_4_12),
-                               LYNX_TEST_CONFIGS_OF(plan_16_4_4_8), LYNX_TEST_CONFIGS_OF(plan_12_4_8),
-                               config<lynx::plan_8_4_4, float, 16>, config<lynx::plan_16_4_12, lynx::bf16, 16>>;
+using all_configs =
+    std::tuple<LYNX_TEST_CONFIGS_OF(plan_8_4_4), LYNX_TEST_CONFIGS_OF(plan_8_2_2_4),
+               LYNX_TEST_CONFIGS_OF(plan_16_4_12), LYNX_TEST_CONFIGS_OF(plan_16_4_4_8),
+               LYNX_TEST_CONFIGS_OF(plan_12_4_8), config<lynx::plan_8_4_4, float, 16>,
+               config<lynx::plan_16_4_12, lynx::bf16, 16>>;
 // Smaller product for the rejection tests: every plan, float and bf16, G = 32.
-using rejection_configs = std::tuple<config<lynx::plan_8_4_4, float, 32>, config<lynx::plan_8_2_2_4, lynx::bf16, 32>,
-                                     config<lynx::plan_16_4_12, lynx::bf16, 32>, config<lynx::plan_16_4_4_8, float, 64>,
-                                     config<lynx::plan_12_4_8, lynx::fp16, 32>, config<lynx::plan_8_8, float, 32>>;
+using rejection_configs =
+    std::tuple<config<lynx::plan_8_4_4, float, 32>, config<lynx::plan_8_2_2_4, lynx::bf16, 32>,
+               config<lynx::plan_16_4_12, lynx::bf16, 32>, config<lynx::plan_16_4_4_8, float, 64>,
+               config<lynx::plan_12_4_8, lynx::fp16, 32>, config<lynx::plan_8_8, float, 32>>;
 #undef LYNX_TEST_CONFIGS_OF
 
 // ---------------------------------------------------------------------------
@@ -76,30 +79,40 @@ enum class layout_kind { token_major, head_major, strided };
 
 const char* name_of(data_kind k) {
   switch (k) {
-    case data_kind::random: return "random";
-    case data_kind::constant: return "constant groups";
-    case data_kind::outlier: return "outlier channel";
-    case data_kind::denormal: return "denormals";
-    case data_kind::signed_zero: return "+0/-0";
+    case data_kind::random:
+      return "random";
+    case data_kind::constant:
+      return "constant groups";
+    case data_kind::outlier:
+      return "outlier channel";
+    case data_kind::denormal:
+      return "denormals";
+    case data_kind::signed_zero:
+      return "+0/-0";
   }
   return "?";
 }
 const char* name_of(layout_kind k) {
   switch (k) {
-    case layout_kind::token_major: return "token-major";
-    case layout_kind::head_major: return "head-major";
-    case layout_kind::strided: return "channel stride 2";
+    case layout_kind::token_major:
+      return "token-major";
+    case layout_kind::head_major:
+      return "head-major";
+    case layout_kind::strided:
+      return "channel stride 2";
   }
   return "?";
 }
 
 // Value of element (t, h, c) of K (keys = true) or V for a data kind, before
 // conversion to the element type.
-float make_value(data_kind kind, bool keys, const lynx::kv_shape& s, std::int64_t t, std::int64_t h, std::int64_t c, splitmix64& rng) {
+float make_value(data_kind kind, bool keys, const lynx::kv_shape& s, std::int64_t t, std::int64_t h,
+                 std::int64_t c, splitmix64& rng) {
   switch (kind) {
     case data_kind::random: {
       const float channel_scale = 0.5f + static_cast<float>((c * 37 + h * 11) % 16) / 8.0f;
-      return static_cast<float>((rng.uniform() + rng.uniform() + rng.uniform() - 1.5) * 2.0) * channel_scale;
+      return static_cast<float>((rng.uniform() + rng.uniform() + rng.uniform() - 1.5) * 2.0) *
+             channel_scale;
     }
     case data_kind::constant:
       // K constant along tokens (every key group constant), V constant along channels
@@ -114,7 +127,8 @@ float make_value(data_kind kind, bool keys, const lynx::kv_shape& s, std::int64_
       // Pure denormal/zero groups (keys: the first 32 tokens; values: head 0), the rest mixed
       // with normal values so some groups hold both.
       const std::uint64_t r = rng.next();
-      const float tiny = std::bit_cast<float>(static_cast<std::uint32_t>(r >> 40) & 0x007fffffu) * ((r & 1) ? -1.0f : 1.0f);
+      const float tiny = std::bit_cast<float>(static_cast<std::uint32_t>(r >> 40) & 0x007fffffu) *
+                         ((r & 1) ? -1.0f : 1.0f);
       const bool pure = keys ? t < 32 : h == 0;
       if (pure || (r & 6) != 0) return (r & 8) ? tiny : ((r & 16) ? -0.0f : 0.0f);
       return rng.symmetric(1e-3f);
@@ -145,15 +159,19 @@ struct layer_input {
 template <class T>
 lynx::kv_view<T> make_view(T* data, const lynx::kv_shape& s, layout_kind layout) {
   switch (layout) {
-    case layout_kind::token_major: return lynx::token_major(data, s);
-    case layout_kind::head_major: return lynx::head_major(data, s);
-    case layout_kind::strided: return {data, s, s.kv_heads * s.head_dim * 2, s.head_dim * 2, 2};
+    case layout_kind::token_major:
+      return lynx::token_major(data, s);
+    case layout_kind::head_major:
+      return lynx::head_major(data, s);
+    case layout_kind::strided:
+      return {data, s, s.kv_heads * s.head_dim * 2, s.head_dim * 2, 2};
   }
   return {};
 }
 
 template <class T>
-layer_input<T> make_input(const lynx::kv_shape& s, data_kind kind, layout_kind layout, std::uint64_t seed) {
+layer_input<T> make_input(const lynx::kv_shape& s, data_kind kind, layout_kind layout,
+                          std::uint64_t seed) {
   layer_input<T> in;
   in.shape = s;
   const std::size_t n = static_cast<std::size_t>(s.elements());
@@ -203,13 +221,25 @@ struct reference_layout {
   [[nodiscard]] std::int64_t key_scale_at() const { return 0; }
   [[nodiscard]] std::int64_t key_zero_at() const { return align64(key_params() * 4); }
   [[nodiscard]] std::int64_t value_scale_at() const { return 2 * align64(key_params() * 4); }
-  [[nodiscard]] std::int64_t value_zero_at() const { return value_scale_at() + align64(value_params() * 4); }
-  [[nodiscard]] std::int64_t params_end() const { return value_zero_at() + align64(value_params() * 4); }
-  [[nodiscard]] std::int64_t words(int s) const { return H * blocks() * widths[static_cast<std::size_t>(s)] * D; }
+  [[nodiscard]] std::int64_t value_zero_at() const {
+    return value_scale_at() + align64(value_params() * 4);
+  }
+  [[nodiscard]] std::int64_t params_end() const {
+    return value_zero_at() + align64(value_params() * 4);
+  }
+  [[nodiscard]] std::int64_t words(int s) const {
+    return H * blocks() * widths[static_cast<std::size_t>(s)] * D;
+  }
   [[nodiscard]] std::int64_t key_planes_at(int s) const { return s == 0 ? params_end() : 0; }
-  [[nodiscard]] std::int64_t value_planes_at(int s) const { return key_planes_at(s) + align64(words(s) * 4); }
-  [[nodiscard]] std::int64_t payload(int s) const { return value_planes_at(s) + align64(words(s) * 4); }
-  [[nodiscard]] int planes_before(int s) const { return std::accumulate(widths.begin(), widths.begin() + s, 0); }
+  [[nodiscard]] std::int64_t value_planes_at(int s) const {
+    return key_planes_at(s) + align64(words(s) * 4);
+  }
+  [[nodiscard]] std::int64_t payload(int s) const {
+    return value_planes_at(s) + align64(words(s) * 4);
+  }
+  [[nodiscard]] int planes_before(int s) const {
+    return std::accumulate(widths.begin(), widths.begin() + s, 0);
+  }
 };
 
 template <class Plan, int G>
@@ -243,12 +273,14 @@ std::uint32_t read_word(const std::byte* p, std::int64_t i) {
   return w;
 }
 
-decoded_layer decode_reference(const reference_layout& L, const std::vector<std::span<const std::byte>>& segments) {
+decoded_layer decode_reference(const reference_layout& L,
+                               const std::vector<std::span<const std::byte>>& segments) {
   decoded_layer d;
   const std::byte* anchor = segments[0].data() + 128;
   auto read_floats = [&](std::int64_t at, std::int64_t n) {
     std::vector<float> v(static_cast<std::size_t>(n));
-    for (std::int64_t i = 0; i < n; ++i) v[static_cast<std::size_t>(i)] = read_float(anchor + at, i);
+    for (std::int64_t i = 0; i < n; ++i)
+      v[static_cast<std::size_t>(i)] = read_float(anchor + at, i);
     return v;
   };
   d.key_scale = read_floats(L.key_scale_at(), L.key_params());
@@ -259,13 +291,15 @@ decoded_layer decode_reference(const reference_layout& L, const std::vector<std:
     auto& codes = which == 0 ? d.key_codes : d.value_codes;
     codes.assign(static_cast<std::size_t>(L.H * L.T * L.D), 0u);
     for (int s = 0; s < static_cast<int>(L.widths.size()); ++s) {
-      const std::byte* section = segments[static_cast<std::size_t>(s)].data() + 128 + (which == 0 ? L.key_planes_at(s) : L.value_planes_at(s));
+      const std::byte* section = segments[static_cast<std::size_t>(s)].data() + 128 +
+                                 (which == 0 ? L.key_planes_at(s) : L.value_planes_at(s));
       const int w = L.widths[static_cast<std::size_t>(s)];
       for (std::int64_t h = 0; h < L.H; ++h)
         for (std::int64_t b = 0; b < L.blocks(); ++b)
           for (int j = 0; j < w; ++j)
             for (std::int64_t c = 0; c < L.D; ++c) {
-              const std::uint32_t word = read_word(section, ((h * L.blocks() + b) * w + j) * L.D + c);
+              const std::uint32_t word =
+                  read_word(section, ((h * L.blocks() + b) * w + j) * L.D + c);
               for (int bit = 0; bit < 32; ++bit) {
                 const std::int64_t t = b * 32 + bit;
                 const std::uint32_t v = (word >> bit) & 1u;
@@ -304,17 +338,21 @@ std::uint32_t bits_of(float x) { return std::bit_cast<std::uint32_t>(x); }
 
 template <class T>
 std::uint32_t storage_bits(T x) {
-  if constexpr (std::is_same_v<T, float>) return bits_of(x);
-  else return x.bits;
+  if constexpr (std::is_same_v<T, float>)
+    return bits_of(x);
+  else
+    return x.bits;
 }
 
 bool same_floats(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
+  return a.size() == b.size() &&
+         (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
 }
 
 bool same_bits(const lynx::quantized_layer& a, const lynx::quantized_layer& b) {
-  return a.geometry == b.geometry && a.key_codes == b.key_codes && a.value_codes == b.value_codes && same_floats(a.key_scale, b.key_scale) &&
-         same_floats(a.key_zero, b.key_zero) && same_floats(a.value_scale, b.value_scale) && same_floats(a.value_zero, b.value_zero);
+  return a.geometry == b.geometry && a.key_codes == b.key_codes && a.value_codes == b.value_codes &&
+         same_floats(a.key_scale, b.key_scale) && same_floats(a.key_zero, b.key_zero) &&
+         same_floats(a.value_scale, b.value_scale) && same_floats(a.value_zero, b.value_zero);
 }
 
 template <class Plan, int G>
@@ -361,7 +399,8 @@ group_extremes value_extremes(const std::vector<float>& x, const reference_layou
   for (std::int64_t t = 0; t < L.T; ++t)
     for (std::int64_t h = 0; h < L.H; ++h)
       for (std::int64_t c = 0; c < L.D; ++c) {
-        const auto i = static_cast<std::size_t>((h * L.T + t) * L.value_groups() + c / L.value_group);
+        const auto i =
+            static_cast<std::size_t>((h * L.T + t) * L.value_groups() + c / L.value_group);
         const double v = x[static_cast<std::size_t>((t * L.H + h) * L.D + c)];
         e.lo[i] = std::min(e.lo[i], v);
         e.hi[i] = std::max(e.hi[i], v);
@@ -370,13 +409,15 @@ group_extremes value_extremes(const std::vector<float>& x, const reference_layou
 }
 
 // Parameters and codes of one tensor (K or V) against the fp64 reference.
-void check_codes(const char* what, const reference_layout& L, const std::vector<float>& x, const group_extremes& e,
-                 const std::vector<float>& scale, const std::vector<float>& zero, const std::vector<std::uint32_t>& codes, bool keys,
+void check_codes(const char* what, const reference_layout& L, const std::vector<float>& x,
+                 const group_extremes& e, const std::vector<float>& scale,
+                 const std::vector<float>& zero, const std::vector<std::uint32_t>& codes, bool keys,
                  failure_log& log) {
   const double max_code = std::ldexp(1.0, L.bits) - 1.0;
   for (std::size_t i = 0; i < e.lo.size(); ++i) {
     const float lo = static_cast<float>(e.lo[i]), hi = static_cast<float>(e.hi[i]);
-    if (!(zero[i] == lo)) log.fail(what, " group ", i, ": zero ", zero[i], " is not the group minimum ", lo);
+    if (!(zero[i] == lo))
+      log.fail(what, " group ", i, ": zero ", zero[i], " is not the group minimum ", lo);
     if (hi - lo < lynx::min_group_range) {
       if (scale[i] != 0.0f) log.fail(what, " group ", i, ": constant group with scale ", scale[i]);
     } else {
@@ -388,69 +429,85 @@ void check_codes(const char* what, const reference_layout& L, const std::vector<
   for (std::int64_t t = 0; t < L.T; ++t)
     for (std::int64_t h = 0; h < L.H; ++h)
       for (std::int64_t c = 0; c < L.D; ++c) {
-        const auto g = static_cast<std::size_t>(keys ? (h * L.key_groups() + t / L.key_group) * L.D + c
-                                                     : (h * L.T + t) * L.value_groups() + c / L.value_group);
+        const auto g =
+            static_cast<std::size_t>(keys ? (h * L.key_groups() + t / L.key_group) * L.D + c
+                                          : (h * L.T + t) * L.value_groups() + c / L.value_group);
         const std::uint32_t code = codes[static_cast<std::size_t>((h * L.T + t) * L.D + c)];
         const double v = x[static_cast<std::size_t>((t * L.H + h) * L.D + c)];
         if (code > max_code) log.fail(what, " code ", code, " out of range");
         if (scale[g] == 0.0f) {
-          if (code != 0) log.fail(what, " (t=", t, ", h=", h, ", c=", c, "): constant group with code ", code);
+          if (code != 0)
+            log.fail(what, " (t=", t, ", h=", h, ", c=", c, "): constant group with code ", code);
           continue;
         }
         const double range = e.hi[g] - e.lo[g];
         const double position = (v - e.lo[g]) / (range / max_code);
         const double slack = 0x1.0p-20 * (std::fabs(e.lo[g]) + range) / (range / max_code);
         if (!(std::fabs(code - position) <= 0.5 + slack))
-          log.fail(what, " (t=", t, ", h=", h, ", c=", c, "): code ", code, " for fp64 position ", position);
+          log.fail(what, " (t=", t, ", h=", h, ", c=", c, "): code ", code, " for fp64 position ",
+                   position);
       }
 }
 
 // Reconstruction of one tensor at `planes` planes: r (float, [T][H][D]) against
 // the fp64 reference built from the decoded codes and parameters, and the input.
-void check_reconstruction(const char* what, const reference_layout& L, int planes, const std::vector<float>& x, const group_extremes& e,
-                          const std::vector<float>& scale, const std::vector<float>& zero, const std::vector<std::uint32_t>& codes,
-                          const std::vector<float>& r, bool keys, failure_log& log) {
+void check_reconstruction(const char* what, const reference_layout& L, int planes,
+                          const std::vector<float>& x, const group_extremes& e,
+                          const std::vector<float>& scale, const std::vector<float>& zero,
+                          const std::vector<std::uint32_t>& codes, const std::vector<float>& r,
+                          bool keys, failure_log& log) {
   const int missing = L.bits - planes;
   const double max_code = std::ldexp(1.0, L.bits) - 1.0;
   for (std::int64_t t = 0; t < L.T; ++t)
     for (std::int64_t h = 0; h < L.H; ++h)
       for (std::int64_t c = 0; c < L.D; ++c) {
-        const auto g = static_cast<std::size_t>(keys ? (h * L.key_groups() + t / L.key_group) * L.D + c
-                                                     : (h * L.T + t) * L.value_groups() + c / L.value_group);
+        const auto g =
+            static_cast<std::size_t>(keys ? (h * L.key_groups() + t / L.key_group) * L.D + c
+                                          : (h * L.T + t) * L.value_groups() + c / L.value_group);
         const auto i = static_cast<std::size_t>((t * L.H + h) * L.D + c);
-        const std::uint32_t prefix = codes[static_cast<std::size_t>((h * L.T + t) * L.D + c)] >> missing;
+        const std::uint32_t prefix =
+            codes[static_cast<std::size_t>((h * L.T + t) * L.D + c)] >> missing;
         // fp64 reference of the midpoint of the bins the prefix leaves possible
-        const double level = std::ldexp(static_cast<double>(prefix), missing) + (std::ldexp(1.0, missing) - 1.0) / 2.0;
+        const double level = std::ldexp(static_cast<double>(prefix), missing) +
+                             (std::ldexp(1.0, missing) - 1.0) / 2.0;
         const double exact = static_cast<double>(zero[g]) + static_cast<double>(scale[g]) * level;
         const float got = r[i];
-        const double spacing = static_cast<double>(std::nextafter(std::fabs(got), 3e38f)) - std::fabs(static_cast<double>(got));
+        const double spacing = static_cast<double>(std::nextafter(std::fabs(got), 3e38f)) -
+                               std::fabs(static_cast<double>(got));
         if (!(std::fabs(got - exact) <= 0.5 * spacing))
-          log.fail(what, " planes=", planes, " (t=", t, ", h=", h, ", c=", c, "): ", got, " is not the rounded midpoint ", exact);
+          log.fail(what, " planes=", planes, " (t=", t, ", h=", h, ", c=", c, "): ", got,
+                   " is not the rounded midpoint ", exact);
         const double range = e.hi[g] - e.lo[g];
         const double err = std::fabs(static_cast<double>(got) - x[i]);
         if (scale[g] == 0.0f) {
-          if (!(got == zero[g]) || !(err <= range)) log.fail(what, " planes=", planes, " (t=", t, ", h=", h, ", c=", c, "): constant group gives ", got);
+          if (!(got == zero[g]) || !(err <= range))
+            log.fail(what, " planes=", planes, " (t=", t, ", h=", h, ", c=", c,
+                     "): constant group gives ", got);
           continue;
         }
-        const double bound = 0.5 * (range / max_code) * std::ldexp(1.0, missing) + 0x1.0p-20 * (std::fabs(e.lo[g]) + range);
+        const double bound = 0.5 * (range / max_code) * std::ldexp(1.0, missing) +
+                             0x1.0p-20 * (std::fabs(e.lo[g]) + range);
         if (!(err <= bound))
-          log.fail(what, " planes=", planes, " (t=", t, ", h=", h, ", c=", c, "): error ", err, " exceeds half a bin ", bound, " (x=", x[i],
-                   ", r=", got, ")");
+          log.fail(what, " planes=", planes, " (t=", t, ", h=", h, ", c=", c, "): error ", err,
+                   " exceeds half a bin ", bound, " (x=", x[i], ", r=", got, ")");
       }
 }
 
 template <class Plan, int G>
-lynx::host_bitplane_tensor<Plan, G> receive_all(const lynx::encoded_layer<Plan, G>& e, lynx::kv_shape s, std::uint32_t layer,
+lynx::host_bitplane_tensor<Plan, G> receive_all(const lynx::encoded_layer<Plan, G>& e,
+                                                lynx::kv_shape s, std::uint32_t layer,
                                                 std::uint64_t generation) {
   lynx::host_bitplane_tensor<Plan, G> t(s, layer, generation);
-  for (int i = 0; i < Plan::streams; ++i) REQUIRE(t.accept(e.segment(i)) == lynx::accept_result::accepted);
+  for (int i = 0; i < Plan::streams; ++i)
+    REQUIRE(t.accept(e.segment(i)) == lynx::accept_result::accepted);
   REQUIRE(t.complete());
   return t;
 }
 
 // Float reconstruction, token-major [T][H][D].
 template <class Plan, int G>
-std::pair<std::vector<float>, std::vector<float>> reconstruct_float(const lynx::bitplane_view<Plan, G>& v, int threads = 1) {
+std::pair<std::vector<float>, std::vector<float>> reconstruct_float(
+    const lynx::bitplane_view<Plan, G>& v, int threads = 1) {
   const lynx::kv_shape s = v.geometry.shape();
   std::vector<float> k(static_cast<std::size_t>(s.elements())), val(k.size());
   lynx::reconstruct(v, lynx::token_major(k.data(), s), lynx::token_major(val.data(), s), {threads});
@@ -464,8 +521,8 @@ struct codec_case {
 };
 
 const codec_case codec_cases[] = {
-    {{1, 1, 64}, data_kind::random, layout_kind::token_major},      // one token
-    {{1, 2, 8}, data_kind::signed_zero, layout_kind::head_major},   // one token, head_dim 8
+    {{1, 1, 64}, data_kind::random, layout_kind::token_major},     // one token
+    {{1, 2, 8}, data_kind::signed_zero, layout_kind::head_major},  // one token, head_dim 8
     {{31, 2, 8}, data_kind::random, layout_kind::strided},
     {{33, 1, 128}, data_kind::outlier, layout_kind::token_major},
     {{100, 2, 64}, data_kind::constant, layout_kind::head_major},
@@ -484,7 +541,9 @@ const codec_case codec_cases[] = {
 // Property tests
 // ---------------------------------------------------------------------------
 
-TEST_CASE_TEMPLATE_DEFINE("encode == split(quantize), merge(split) == codes, layout and reconstruction against fp64", C, codec_id) {
+TEST_CASE_TEMPLATE_DEFINE(
+    "encode == split(quantize), merge(split) == codes, layout and reconstruction against fp64", C,
+    codec_id) {
   using Plan = typename C::plan;
   using T = typename C::element;
   constexpr int G = C::group;
@@ -492,8 +551,8 @@ TEST_CASE_TEMPLATE_DEFINE("encode == split(quantize), merge(split) == codes, lay
   for (const codec_case& cc : codec_cases) {
     ++layer;
     const lynx::kv_shape s = cc.shape;
-    INFO("plan " << Plan::name() << ", " << lynx::element_name<T>() << ", G=" << G << ", shape " << lynx::to_string(s) << ", "
-                 << name_of(cc.kind) << ", " << name_of(cc.layout));
+    INFO("plan " << Plan::name() << ", " << lynx::element_name<T>() << ", G=" << G << ", shape "
+                 << lynx::to_string(s) << ", " << name_of(cc.kind) << ", " << name_of(cc.layout));
     const std::uint64_t generation = 1000 + layer;
     const auto in = make_input<T>(s, cc.kind, cc.layout, 77 * layer + G);
     const auto keys = cview(in.keys);
@@ -522,8 +581,10 @@ TEST_CASE_TEMPLATE_DEFINE("encode == split(quantize), merge(split) == codes, lay
     REQUIRE(g.value_zero_offset() == L.value_zero_at());
     const decoded_layer d = decode_reference(L, segments_of(encoded));
     CHECK(d.nonzero_padding_bits == 0);
-    CHECK(std::equal(d.key_codes.begin(), d.key_codes.end(), q.key_codes.begin(), q.key_codes.end()));
-    CHECK(std::equal(d.value_codes.begin(), d.value_codes.end(), q.value_codes.begin(), q.value_codes.end()));
+    CHECK(
+        std::equal(d.key_codes.begin(), d.key_codes.end(), q.key_codes.begin(), q.key_codes.end()));
+    CHECK(std::equal(d.value_codes.begin(), d.value_codes.end(), q.value_codes.begin(),
+                     q.value_codes.end()));
     CHECK(same_floats(d.key_scale, q.key_scale));
     CHECK(same_floats(d.key_zero, q.key_zero));
     CHECK(same_floats(d.value_scale, q.value_scale));
@@ -533,7 +594,8 @@ TEST_CASE_TEMPLATE_DEFINE("encode == split(quantize), merge(split) == codes, lay
     const group_extremes ke = key_extremes(in.key_value, L), ve = value_extremes(in.value_value, L);
     failure_log log;
     check_codes("keys", L, in.key_value, ke, d.key_scale, d.key_zero, d.key_codes, true, log);
-    check_codes("values", L, in.value_value, ve, d.value_scale, d.value_zero, d.value_codes, false, log);
+    check_codes("values", L, in.value_value, ve, d.value_scale, d.value_zero, d.value_codes, false,
+                log);
     INFO("first failure: " << log.first);
     CHECK(log.count == 0);
 
@@ -548,8 +610,10 @@ TEST_CASE_TEMPLATE_DEFINE("encode == split(quantize), merge(split) == codes, lay
       CHECK(view.planes() == planes);
       const auto [rk, rv] = reconstruct_float(view);
       failure_log rlog;
-      check_reconstruction("keys", L, planes, in.key_value, ke, d.key_scale, d.key_zero, d.key_codes, rk, true, rlog);
-      check_reconstruction("values", L, planes, in.value_value, ve, d.value_scale, d.value_zero, d.value_codes, rv, false, rlog);
+      check_reconstruction("keys", L, planes, in.key_value, ke, d.key_scale, d.key_zero,
+                           d.key_codes, rk, true, rlog);
+      check_reconstruction("values", L, planes, in.value_value, ve, d.value_scale, d.value_zero,
+                           d.value_codes, rv, false, rlog);
       INFO("level " << level << " first failure: " << rlog.first);
       CHECK(rlog.count == 0);
       // Into the engine's own layout and element type: the float result converted once.
@@ -560,8 +624,10 @@ TEST_CASE_TEMPLATE_DEFINE("encode == split(quantize), merge(split) == codes, lay
         for (std::int64_t h = 0; h < s.kv_heads; ++h)
           for (std::int64_t c = 0; c < s.head_dim; ++c) {
             const auto i = static_cast<std::size_t>(in.index(t, h, c));
-            mismatches += storage_bits(out.keys(t, h, c)) != storage_bits(lynx::from_float<T>(rk[i]));
-            mismatches += storage_bits(out.values(t, h, c)) != storage_bits(lynx::from_float<T>(rv[i]));
+            mismatches +=
+                storage_bits(out.keys(t, h, c)) != storage_bits(lynx::from_float<T>(rk[i]));
+            mismatches +=
+                storage_bits(out.values(t, h, c)) != storage_bits(lynx::from_float<T>(rv[i]));
           }
       CHECK(mismatches == 0);
       if (level == Plan::streams) {  // threads do not change a bit
@@ -574,7 +640,8 @@ TEST_CASE_TEMPLATE_DEFINE("encode == split(quantize), merge(split) == codes, lay
 }
 TEST_CASE_TEMPLATE_APPLY(codec_id, all_configs);
 
-TEST_CASE_TEMPLATE_DEFINE("out-of-order and duplicate delivery give the same tensor as in-order", C, order_id) {
+TEST_CASE_TEMPLATE_DEFINE("out-of-order and duplicate delivery give the same tensor as in-order", C,
+                          order_id) {
   using Plan = typename C::plan;
   using T = typename C::element;
   constexpr int G = C::group;
@@ -582,11 +649,13 @@ TEST_CASE_TEMPLATE_DEFINE("out-of-order and duplicate delivery give the same ten
   const std::uint32_t layer = 3;
   const std::uint64_t generation = 17;
   const auto in = make_input<T>(s, data_kind::random, layout_kind::token_major, 99);
-  const auto encoded = lynx::encode<Plan, G, T>(cview(in.keys), cview(in.values), layer, {generation, 1});
+  const auto encoded =
+      lynx::encode<Plan, G, T>(cview(in.keys), cview(in.values), layer, {generation, 1});
   const auto in_order = receive_all(encoded, s, layer, generation);
   const lynx::quantized_layer merged = lynx::merge(in_order);
   std::vector<std::pair<std::vector<float>, std::vector<float>>> at_level(Plan::streams + 1);
-  for (int l = 1; l <= Plan::streams; ++l) at_level[static_cast<std::size_t>(l)] = reconstruct_float(in_order.view_at(l));
+  for (int l = 1; l <= Plan::streams; ++l)
+    at_level[static_cast<std::size_t>(l)] = reconstruct_float(in_order.view_at(l));
 
   std::vector<int> order(Plan::streams);
   std::iota(order.begin(), order.end(), 0);
@@ -615,7 +684,8 @@ TEST_CASE_TEMPLATE_DEFINE("out-of-order and duplicate delivery give the same ten
       CHECK(t.planes_present() == Plan::planes_at_level(expected));
       CHECK(t.has_stream(st));
       CHECK(t.complete() == (expected == Plan::streams));
-      if (expected != last_level) {  // a new level: the same reconstruction as in-order delivery at that level
+      if (expected !=
+          last_level) {  // a new level: the same reconstruction as in-order delivery at that level
         const auto r = reconstruct_float(t.view());
         CHECK(same_floats(r.first, at_level[static_cast<std::size_t>(expected)].first));
         CHECK(same_floats(r.second, at_level[static_cast<std::size_t>(expected)].second));
@@ -623,7 +693,8 @@ TEST_CASE_TEMPLATE_DEFINE("out-of-order and duplicate delivery give the same ten
       }
     }
     // every stream once more, in reverse: all duplicates
-    for (int st = Plan::streams - 1; st >= 0; --st) CHECK(t.accept(encoded.segment(st)) == lynx::accept_result::duplicate);
+    for (int st = Plan::streams - 1; st >= 0; --st)
+      CHECK(t.accept(encoded.segment(st)) == lynx::accept_result::duplicate);
     CHECK(same_bits(lynx::merge(t), merged));
     // Lower levels of a complete tensor read as the in-order tensor's.
     for (int l = 1; l <= Plan::streams; ++l) {
@@ -637,7 +708,8 @@ TEST_CASE_TEMPLATE_DEFINE("out-of-order and duplicate delivery give the same ten
 }
 TEST_CASE_TEMPLATE_APPLY(order_id, all_configs);
 
-TEST_CASE("precision_level: a residual before the anchor keeps level 0; levels rise only as a prefix") {
+TEST_CASE(
+    "precision_level: a residual before the anchor keeps level 0; levels rise only as a prefix") {
   using Plan = lynx::plan_16_4_4_8;
   const lynx::kv_shape s{40, 1, 64};
   const auto in = make_input<float>(s, data_kind::random, layout_kind::token_major, 5);
@@ -687,7 +759,8 @@ struct tensor_state {
   std::vector<std::vector<std::byte>> payloads;
   std::uint64_t generation = 0;
 
-  explicit tensor_state(const lynx::host_bitplane_tensor<Plan, G>& t) : level(t.precision_level()), generation(t.generation()) {
+  explicit tensor_state(const lynx::host_bitplane_tensor<Plan, G>& t)
+      : level(t.precision_level()), generation(t.generation()) {
     // view_at(0) exposes every present stream's payload, whatever the level.
     const auto v = t.view_at(0);
     for (int s = 0; s < Plan::streams; ++s) {
@@ -717,7 +790,8 @@ std::vector<std::byte> bytes_of(std::span<const std::byte> s) { return {s.begin(
 
 // A segment with a header field changed (and, when `reseal`, a valid checksum again).
 template <class Mutate>
-std::vector<std::byte> with_header(std::span<const std::byte> segment, Mutate&& mutate, bool reseal) {
+std::vector<std::byte> with_header(std::span<const std::byte> segment, Mutate&& mutate,
+                                   bool reseal) {
   std::vector<std::byte> out = bytes_of(segment);
   lynx::segment_header h;
   std::memcpy(&h, out.data(), sizeof h);
@@ -728,11 +802,13 @@ std::vector<std::byte> with_header(std::span<const std::byte> segment, Mutate&& 
 }
 
 template <class Plan>
-using other_plan_t = std::conditional_t<std::is_same_v<Plan, lynx::plan_8_4_4>, lynx::plan_8_2_2_4, lynx::plan_8_4_4>;
+using other_plan_t = std::conditional_t<std::is_same_v<Plan, lynx::plan_8_4_4>, lynx::plan_8_2_2_4,
+                                        lynx::plan_8_4_4>;
 
 }  // namespace
 
-TEST_CASE_TEMPLATE_DEFINE("bad input is rejected with the right error and the tensor stays as it was", C, reject_id) {
+TEST_CASE_TEMPLATE_DEFINE(
+    "bad input is rejected with the right error and the tensor stays as it was", C, reject_id) {
   using Plan = typename C::plan;
   using T = typename C::element;
   constexpr int G = C::group;
@@ -761,16 +837,20 @@ TEST_CASE_TEMPLATE_DEFINE("bad input is rejected with the right error and the te
   const auto anchor = good.segment(0);
 
   SUBCASE("segments of another plan, group size, shape, layer or generation") {
-    const auto other_plan = lynx::encode<other_plan_t<Plan>, G, T>(keys, values, layer, {generation, 1});
+    const auto other_plan =
+        lynx::encode<other_plan_t<Plan>, G, T>(keys, values, layer, {generation, 1});
     rejects(lynx::errc::plan_mismatch, other_plan.segment(0), "another plan");
     constexpr int other_g = G == 32 ? 64 : 32;
     const auto other_group = lynx::encode<Plan, other_g, T>(keys, values, layer, {generation, 1});
     rejects(lynx::errc::plan_mismatch, other_group.segment(0), "another group size");
     rejects(lynx::errc::plan_mismatch, other_group.segment(last), "another group size, residual");
-    for (const lynx::kv_shape other : {lynx::kv_shape{44, 2, 64}, lynx::kv_shape{45, 1, 64}, lynx::kv_shape{45, 2, 128}}) {
+    for (const lynx::kv_shape other :
+         {lynx::kv_shape{44, 2, 64}, lynx::kv_shape{45, 1, 64}, lynx::kv_shape{45, 2, 128}}) {
       const auto x = make_input<T>(other, data_kind::random, layout_kind::token_major, 5);
-      const auto e = lynx::encode<Plan, G, T>(cview(x.keys), cview(x.values), layer, {generation, 1});
-      const std::string msg = expect_error(lynx::errc::shape_mismatch, [&] { (void)partial.accept(e.segment(0)); });
+      const auto e =
+          lynx::encode<Plan, G, T>(cview(x.keys), cview(x.values), layer, {generation, 1});
+      const std::string msg =
+          expect_error(lynx::errc::shape_mismatch, [&] { (void)partial.accept(e.segment(0)); });
       CHECK(msg.find(lynx::to_string(other)) != std::string::npos);
       rejects(lynx::errc::shape_mismatch, e.segment(last), "another shape");
     }
@@ -787,7 +867,8 @@ TEST_CASE_TEMPLATE_DEFINE("bad input is rejected with the right error and the te
     const std::span<const std::byte> seg(full);
     rejects(lynx::errc::truncated_segment, seg.first(seg.size() - 1), "one byte short");
     rejects(lynx::errc::truncated_segment, seg.first(lynx::segment_header_bytes), "header only");
-    rejects(lynx::errc::truncated_segment, seg.first(lynx::segment_header_bytes - 1), "shorter than a header");
+    rejects(lynx::errc::truncated_segment, seg.first(lynx::segment_header_bytes - 1),
+            "shorter than a header");
     rejects(lynx::errc::truncated_segment, seg.first(0), "empty");
     std::vector<std::byte> longer = full;
     longer.push_back(std::byte{0});
@@ -813,18 +894,50 @@ TEST_CASE_TEMPLATE_DEFINE("bad input is rejected with the right error and the te
     }
     CHECK(tensor_state<Plan, G>(partial) == partial_before);
     // Fields only the checksum protects: the reserved bytes, the generation, the checksum itself.
-    rejects(lynx::errc::corrupted_segment, with_header(seg, [](lynx::segment_header& h) { h.reserved[17] ^= 1; }, false), "reserved byte");
-    rejects(lynx::errc::corrupted_segment, with_header(seg, [](lynx::segment_header& h) { h.generation ^= 4; }, false), "generation bit");
-    rejects(lynx::errc::corrupted_segment, with_header(seg, [](lynx::segment_header& h) { h.checksum ^= 1ull << 40; }, false), "checksum bit");
-    rejects(lynx::errc::bad_magic, with_header(seg, [](lynx::segment_header& h) { h.magic ^= 0x100; }, true), "bad magic");
-    rejects(lynx::errc::unsupported_version, with_header(seg, [](lynx::segment_header& h) { h.version = 2; }, true), "version 2");
-    rejects(lynx::errc::unsupported_version, with_header(seg, [](lynx::segment_header& h) { h.layout = 7; }, true), "unknown layout");
-    rejects(lynx::errc::corrupted_segment, with_header(seg, [](lynx::segment_header& h) { h.stream = static_cast<std::uint8_t>(Plan::streams); }, true),
-            "stream index past the plan");
-    rejects(lynx::errc::corrupted_segment, with_header(seg, [](lynx::segment_header& h) { h.payload_bytes += 64; }, true), "payload size");
-    rejects(lynx::errc::plan_mismatch, with_header(seg, [](lynx::segment_header& h) { h.value_group = 16; }, true), "value group");
+    rejects(lynx::errc::corrupted_segment,
+            with_header(
+                seg, [](lynx::segment_header& h) { h.reserved[17] ^= 1; }, false),
+            "reserved byte");
+    rejects(lynx::errc::corrupted_segment,
+            with_header(
+                seg, [](lynx::segment_header& h) { h.generation ^= 4; }, false),
+            "generation bit");
+    rejects(lynx::errc::corrupted_segment,
+            with_header(
+                seg, [](lynx::segment_header& h) { h.checksum ^= 1ull << 40; }, false),
+            "checksum bit");
+    rejects(lynx::errc::bad_magic,
+            with_header(
+                seg, [](lynx::segment_header& h) { h.magic ^= 0x100; }, true),
+            "bad magic");
+    rejects(lynx::errc::unsupported_version,
+            with_header(
+                seg, [](lynx::segment_header& h) { h.version = 2; }, true),
+            "version 2");
+    rejects(lynx::errc::unsupported_version,
+            with_header(
+                seg, [](lynx::segment_header& h) { h.layout = 7; }, true),
+            "unknown layout");
+    rejects(
+        lynx::errc::corrupted_segment,
+        with_header(
+            seg,
+            [](lynx::segment_header& h) { h.stream = static_cast<std::uint8_t>(Plan::streams); },
+            true),
+        "stream index past the plan");
+    rejects(lynx::errc::corrupted_segment,
+            with_header(
+                seg, [](lynx::segment_header& h) { h.payload_bytes += 64; }, true),
+            "payload size");
+    rejects(lynx::errc::plan_mismatch,
+            with_header(
+                seg, [](lynx::segment_header& h) { h.value_group = 16; }, true),
+            "value group");
     // A stream count past max_streams must be reported, not read past the widths array.
-    rejects(lynx::errc::plan_mismatch, with_header(seg, [](lynx::segment_header& h) { h.streams = 200; }, true), "200 streams");
+    rejects(lynx::errc::plan_mismatch,
+            with_header(
+                seg, [](lynx::segment_header& h) { h.streams = 200; }, true),
+            "200 streams");
     lynx::plan_desc many = lynx::plan_desc::of<Plan>();
     many.streams = 200;
     CHECK(many.name().find("more streams") != std::string::npos);
@@ -832,39 +945,49 @@ TEST_CASE_TEMPLATE_DEFINE("bad input is rejected with the right error and the te
 
   SUBCASE("a conflicting duplicate: same stream, different content") {
     auto other = make_input<T>(s, data_kind::random, layout_kind::token_major, 4321);
-    const auto different = lynx::encode<Plan, G, T>(cview(other.keys), cview(other.values), layer, {generation, 1});
-    const std::string msg = expect_error(lynx::errc::corrupted_segment, [&] { (void)partial.accept(different.segment(0)); });
+    const auto different =
+        lynx::encode<Plan, G, T>(cview(other.keys), cview(other.values), layer, {generation, 1});
+    const std::string msg = expect_error(lynx::errc::corrupted_segment,
+                                         [&] { (void)partial.accept(different.segment(0)); });
     CHECK(msg.find("differs") != std::string::npos);
     CHECK(tensor_state<Plan, G>(partial) == partial_before);
-    CHECK(partial.accept(anchor) == lynx::accept_result::duplicate);  // the true copy is still a duplicate
+    CHECK(partial.accept(anchor) ==
+          lynx::accept_result::duplicate);  // the true copy is still a duplicate
     CHECK(tensor_state<Plan, G>(partial) == partial_before);
   }
 
   SUBCASE("non-finite input names layer, kv head, token and channel") {
-    const float specials[] = {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
+    const float specials[] = {std::numeric_limits<float>::quiet_NaN(),
+                              std::numeric_limits<float>::infinity(),
                               -std::numeric_limits<float>::infinity()};
     for (const float special : specials) {
       for (const bool in_keys : {true, false}) {
         for (const int threads : {1, 2}) {
           auto bad = make_input<T>(s, data_kind::random, layout_kind::head_major, 1234);
           (in_keys ? bad.keys : bad.values)(37, 1, 5) = lynx::from_float<T>(special);
-          const std::string want = std::string("lynx: non_finite_input: ") + (in_keys ? "keys" : "values") + " of layer 7 holds " +
-                                   (std::isnan(special) ? "NaN" : "infinity") + " at kv head 1, token 37, channel 5";
+          const std::string want = std::string("lynx: non_finite_input: ") +
+                                   (in_keys ? "keys" : "values") + " of layer 7 holds " +
+                                   (std::isnan(special) ? "NaN" : "infinity") +
+                                   " at kv head 1, token 37, channel 5";
           const std::string got = expect_error(lynx::errc::non_finite_input, [&] {
-            (void)lynx::encode<Plan, G, T>(cview(bad.keys), cview(bad.values), layer, {generation, threads});
+            (void)lynx::encode<Plan, G, T>(cview(bad.keys), cview(bad.values), layer,
+                                           {generation, threads});
           });
           CHECK(got == want);
-          CHECK(expect_error(lynx::errc::non_finite_input,
-                             [&] { (void)lynx::quantize<Plan, G, T>(cview(bad.keys), cview(bad.values), layer); }) == want);
+          CHECK(expect_error(lynx::errc::non_finite_input, [&] {
+                  (void)lynx::quantize<Plan, G, T>(cview(bad.keys), cview(bad.values), layer);
+                }) == want);
         }
       }
     }
-    if constexpr (!std::is_same_v<T, lynx::fp16>) {  // a finite range that overflows float (fp16 cannot hold one)
+    if constexpr (!std::is_same_v<T, lynx::fp16>) {  // a finite range that overflows float (fp16
+                                                     // cannot hold one)
       auto wide = make_input<T>(s, data_kind::random, layout_kind::token_major, 1234);
       wide.values(3, 0, 1) = lynx::from_float<T>(3e38f);
       wide.values(3, 0, 2) = lynx::from_float<T>(-3e38f);
       const std::string msg = expect_error(lynx::errc::invalid_argument, [&] {
-        (void)lynx::encode<Plan, G, T>(cview(wide.keys), cview(wide.values), layer, {generation, 1});
+        (void)lynx::encode<Plan, G, T>(cview(wide.keys), cview(wide.values), layer,
+                                       {generation, 1});
       });
       CHECK(msg.find("exceeds the float range") != std::string::npos);
     }
@@ -872,16 +995,21 @@ TEST_CASE_TEMPLATE_DEFINE("bad input is rejected with the right error and the te
 
   SUBCASE("shapes the codec cannot take") {
     const auto x = make_input<T>({45, 2, 32}, data_kind::random, layout_kind::token_major, 8);
-    const std::string msg = expect_error(lynx::errc::shape_mismatch, [&] { (void)lynx::encode<Plan, G, T>(keys, cview(x.values), layer); });
+    const std::string msg = expect_error(lynx::errc::shape_mismatch, [&] {
+      (void)lynx::encode<Plan, G, T>(keys, cview(x.values), layer);
+    });
     CHECK(msg.find("[tokens=45, kv_heads=2, head_dim=64]") != std::string::npos);
     CHECK(msg.find("[tokens=45, kv_heads=2, head_dim=32]") != std::string::npos);
-    expect_error(lynx::errc::shape_mismatch, [&] { (void)lynx::quantize<Plan, G, T>(cview(x.keys), values); });
+    expect_error(lynx::errc::shape_mismatch,
+                 [&] { (void)lynx::quantize<Plan, G, T>(cview(x.keys), values); });
     // head_dim not a multiple of the value group (min(G, head_dim)): 1.5 G
     const lynx::kv_shape odd{10, 1, G + G / 2};
     const auto y = make_input<T>(odd, data_kind::random, layout_kind::token_major, 8);
-    const std::string odd_msg =
-        expect_error(lynx::errc::shape_mismatch, [&] { (void)lynx::encode<Plan, G, T>(cview(y.keys), cview(y.values), layer); });
-    CHECK(odd_msg.find("head_dim " + std::to_string(G + G / 2) + " is not a multiple of the value group size " + std::to_string(G)) !=
+    const std::string odd_msg = expect_error(lynx::errc::shape_mismatch, [&] {
+      (void)lynx::encode<Plan, G, T>(cview(y.keys), cview(y.values), layer);
+    });
+    CHECK(odd_msg.find("head_dim " + std::to_string(G + G / 2) +
+                       " is not a multiple of the value group size " + std::to_string(G)) !=
           std::string::npos);
     expect_error(lynx::errc::shape_mismatch, [&] { tensor_t t(odd, layer); });
     expect_error(lynx::errc::shape_mismatch, [&] { tensor_t t({0, 2, 64}, layer); });
@@ -895,32 +1023,43 @@ TEST_CASE_TEMPLATE_DEFINE("bad input is rejected with the right error and the te
     const lynx::layer_geometry g = lynx::make_geometry<Plan, G>(s);
     const std::vector<std::size_t> sizes = lynx::segment_sizes(g);
     REQUIRE(static_cast<int>(sizes.size()) == Plan::streams);
-    for (int st = 0; st < Plan::streams; ++st) CHECK(sizes[static_cast<std::size_t>(st)] == good.segment(st).size());
+    for (int st = 0; st < Plan::streams; ++st)
+      CHECK(sizes[static_cast<std::size_t>(st)] == good.segment(st).size());
     auto attempt = [&](int which, std::ptrdiff_t delta, int count) {
       std::vector<std::vector<std::byte>> buffers;
       for (int st = 0; st < Plan::streams; ++st)
-        buffers.emplace_back(static_cast<std::size_t>(static_cast<std::ptrdiff_t>(sizes[static_cast<std::size_t>(st)]) + (st == which ? delta : 0)),
+        buffers.emplace_back(static_cast<std::size_t>(
+                                 static_cast<std::ptrdiff_t>(sizes[static_cast<std::size_t>(st)]) +
+                                 (st == which ? delta : 0)),
                              std::byte{0xab});
       std::vector<std::span<std::byte>> spans(buffers.begin(), buffers.begin() + count);
       const std::string msg = expect_error(lynx::errc::invalid_argument, [&] {
-        lynx::encode_into<Plan, G, T>(keys, values, layer, std::span<const std::span<std::byte>>(spans), {generation, 1});
+        lynx::encode_into<Plan, G, T>(
+            keys, values, layer, std::span<const std::span<std::byte>>(spans), {generation, 1});
       });
-      for (const auto& b : buffers) CHECK(std::all_of(b.begin(), b.end(), [](std::byte x) { return x == std::byte{0xab}; }));
+      for (const auto& b : buffers)
+        CHECK(std::all_of(b.begin(), b.end(), [](std::byte x) { return x == std::byte{0xab}; }));
       return msg;
     };
     CHECK(attempt(0, -1, Plan::streams).find("stream 0") != std::string::npos);
-    CHECK(attempt(last, +1, Plan::streams).find("stream " + std::to_string(last)) != std::string::npos);
+    CHECK(attempt(last, +1, Plan::streams).find("stream " + std::to_string(last)) !=
+          std::string::npos);
     attempt(-1, 0, Plan::streams - 1);  // too few buffers
     // The right buffers: the same bytes as encode.
     std::vector<std::vector<std::byte>> buffers;
-    for (int st = 0; st < Plan::streams; ++st) buffers.emplace_back(sizes[static_cast<std::size_t>(st)], std::byte{0xab});
-    std::vector<std::span<std::byte>> spans(buffers.begin(), buffers.end());
-    lynx::encode_into<Plan, G, T>(keys, values, layer, std::span<const std::span<std::byte>>(spans), {generation, 1});
     for (int st = 0; st < Plan::streams; ++st)
-      CHECK(std::memcmp(buffers[static_cast<std::size_t>(st)].data(), good.segment(st).data(), good.segment(st).size()) == 0);
+      buffers.emplace_back(sizes[static_cast<std::size_t>(st)], std::byte{0xab});
+    std::vector<std::span<std::byte>> spans(buffers.begin(), buffers.end());
+    lynx::encode_into<Plan, G, T>(keys, values, layer, std::span<const std::span<std::byte>>(spans),
+                                  {generation, 1});
+    for (int st = 0; st < Plan::streams; ++st)
+      CHECK(std::memcmp(buffers[static_cast<std::size_t>(st)].data(), good.segment(st).data(),
+                        good.segment(st).size()) == 0);
   }
 
-  SUBCASE("reconstruct before the anchor, merge of an incomplete tensor, levels not present, split of another plan") {
+  SUBCASE(
+      "reconstruct before the anchor, merge of an incomplete tensor, levels not present, split of "
+      "another plan") {
     std::vector<float> k(static_cast<std::size_t>(s.elements())), v(k.size());
     const auto kout = lynx::token_major(k.data(), s), vout = lynx::token_major(v.data(), s);
     expect_error(lynx::errc::invalid_argument, [&] { lynx::reconstruct(empty, kout, vout); });
@@ -928,9 +1067,11 @@ TEST_CASE_TEMPLATE_DEFINE("bad input is rejected with the right error and the te
       tensor_t residual_only(s, layer, generation);
       REQUIRE(residual_only.accept(good.segment(last)) == lynx::accept_result::accepted);
       CHECK(residual_only.precision_level() == 0);
-      const std::string msg = expect_error(lynx::errc::invalid_argument, [&] { lynx::reconstruct(residual_only, kout, vout); });
+      const std::string msg = expect_error(lynx::errc::invalid_argument,
+                                           [&] { lynx::reconstruct(residual_only, kout, vout); });
       CHECK(msg.find("layer 7") != std::string::npos);
-      const std::string merge_msg = expect_error(lynx::errc::invalid_argument, [&] { (void)lynx::merge(partial); });
+      const std::string merge_msg =
+          expect_error(lynx::errc::invalid_argument, [&] { (void)lynx::merge(partial); });
       CHECK(merge_msg.find("1 of " + std::to_string(Plan::streams)) != std::string::npos);
       expect_error(lynx::errc::invalid_argument, [&] { (void)lynx::merge(residual_only); });
       expect_error(lynx::errc::invalid_argument, [&] { (void)partial.view_at(2); });
@@ -941,12 +1082,17 @@ TEST_CASE_TEMPLATE_DEFINE("bad input is rejected with the right error and the te
     expect_error(lynx::errc::invalid_argument, [&] { (void)partial.view().at_level(0); });
     // Output of the wrong shape.
     std::vector<float> small(static_cast<std::size_t>(44 * 2 * 64));
-    expect_error(lynx::errc::shape_mismatch, [&] { lynx::reconstruct(partial, lynx::token_major(small.data(), {44, 2, 64}), vout); });
-    expect_error(lynx::errc::shape_mismatch, [&] { lynx::reconstruct(partial, kout, lynx::token_major(small.data(), {44, 2, 64})); });
+    expect_error(lynx::errc::shape_mismatch, [&] {
+      lynx::reconstruct(partial, lynx::token_major(small.data(), {44, 2, 64}), vout);
+    });
+    expect_error(lynx::errc::shape_mismatch, [&] {
+      lynx::reconstruct(partial, kout, lynx::token_major(small.data(), {44, 2, 64}));
+    });
     CHECK(tensor_state<Plan, G>(partial) == partial_before);
     // Codes of one plan split as another.
     const lynx::quantized_layer q = lynx::quantize<Plan, G, T>(keys, values, layer);
-    expect_error(lynx::errc::plan_mismatch, [&] { (void)lynx::split<other_plan_t<Plan>, G>(q, layer); });
+    expect_error(lynx::errc::plan_mismatch,
+                 [&] { (void)lynx::split<other_plan_t<Plan>, G>(q, layer); });
   }
 }
 TEST_CASE_TEMPLATE_APPLY(reject_id, rejection_configs);

@@ -31,10 +31,11 @@ struct config {
   using element = T;
 };
 
-using golden_configs = std::tuple<config<lynx::plan_8_4_4, float>, config<lynx::plan_8_4_4, lynx::bf16>, config<lynx::plan_8_2_2_4, float>,
-                                  config<lynx::plan_8_2_2_4, lynx::bf16>, config<lynx::plan_16_4_12, float>,
-                                  config<lynx::plan_16_4_12, lynx::bf16>, config<lynx::plan_16_4_4_8, float>,
-                                  config<lynx::plan_16_4_4_8, lynx::bf16>>;
+using golden_configs =
+    std::tuple<config<lynx::plan_8_4_4, float>, config<lynx::plan_8_4_4, lynx::bf16>,
+               config<lynx::plan_8_2_2_4, float>, config<lynx::plan_8_2_2_4, lynx::bf16>,
+               config<lynx::plan_16_4_12, float>, config<lynx::plan_16_4_12, lynx::bf16>,
+               config<lynx::plan_16_4_4_8, float>, config<lynx::plan_16_4_4_8, lynx::bf16>>;
 
 template <class T>
 std::vector<T> as_elements(const std::vector<float>& x) {
@@ -44,7 +45,9 @@ std::vector<T> as_elements(const std::vector<float>& x) {
   return out;
 }
 
-std::uint64_t header_checksum(std::span<const std::byte> segment) { return lynx::peek_header(segment).checksum; }
+std::uint64_t header_checksum(std::span<const std::byte> segment) {
+  return lynx::peek_header(segment).checksum;
+}
 
 }  // namespace
 
@@ -70,7 +73,8 @@ TEST_CASE("the golden input generator is fixed") {
   CHECK(k != v);
   const std::uint64_t key_hash = XXH3_64bits(k.data(), k.size() * sizeof(float));
   const std::uint64_t value_hash = XXH3_64bits(v.data(), v.size() * sizeof(float));
-  const std::uint64_t expected_key_hash = 0xe59b5b9d5eb43045ull, expected_value_hash = 0x51227fed303f1272ull;
+  const std::uint64_t expected_key_hash = 0xe59b5b9d5eb43045ull,
+                      expected_value_hash = 0x51227fed303f1272ull;
   CHECK(key_hash == expected_key_hash);
   CHECK(value_hash == expected_value_hash);
 }
@@ -83,35 +87,44 @@ TEST_CASE_TEMPLATE_DEFINE("golden checksums of the encoded segments", C, golden_
   const auto value_data = as_elements<T>(golden::golden_input(golden::value_seed, golden::shape));
   const auto keys = lynx::token_major(key_data.data(), golden::shape);
   const auto values = lynx::token_major(value_data.data(), golden::shape);
-  const auto encoded = lynx::encode<Plan, G, T>(keys, values, golden::layer, {golden::generation, 1});
+  const auto encoded =
+      lynx::encode<Plan, G, T>(keys, values, golden::layer, {golden::generation, 1});
 
   const golden::checksum_entry* entry = nullptr;
   for (const auto& e : golden::checksums)
     if (Plan::name() == e.plan && e.element == lynx::element_kind_of<T>()) entry = &e;
-  REQUIRE_MESSAGE(entry != nullptr, "no golden entry for plan " << Plan::name() << ", " << lynx::element_name<T>());
+  REQUIRE_MESSAGE(entry != nullptr,
+                  "no golden entry for plan " << Plan::name() << ", " << lynx::element_name<T>());
   REQUIRE(entry->streams == Plan::streams);
 
-  std::string line = "    {\"" + Plan::name() + "\", lynx::element_kind::" + lynx::element_name<T>() + ", " + std::to_string(Plan::streams) + ", {";
+  std::string line = "    {\"" + Plan::name() +
+                     "\", lynx::element_kind::" + lynx::element_name<T>() + ", " +
+                     std::to_string(Plan::streams) + ", {";
   bool unfilled = true;
   for (int s = 0; s < Plan::streams; ++s) {
     char hex[32];
-    std::snprintf(hex, sizeof hex, "0x%016llxull", static_cast<unsigned long long>(header_checksum(encoded.segment(s))));
+    std::snprintf(hex, sizeof hex, "0x%016llxull",
+                  static_cast<unsigned long long>(header_checksum(encoded.segment(s))));
     line += (s ? ", " : "") + std::string(hex);
     unfilled &= entry->checksum[s] == 0;
   }
   line += "}},";
-  if (unfilled) std::printf("%s\n", line.c_str());  // the table line to paste into tests/support/golden.hpp
+  if (unfilled)
+    std::printf("%s\n", line.c_str());  // the table line to paste into tests/support/golden.hpp
   INFO("actual: " << line);
   for (int s = 0; s < Plan::streams; ++s) {
     CHECK(header_checksum(encoded.segment(s)) == entry->checksum[s]);
     // The header's checksum is the one the receiver recomputes.
-    const lynx::segment_header h = lynx::validate_segment(encoded.segment(s), encoded.geometry(), golden::layer);
+    const lynx::segment_header h =
+        lynx::validate_segment(encoded.segment(s), encoded.geometry(), golden::layer);
     CHECK(h.generation == golden::generation);
     CHECK(h.layer == golden::layer);
   }
   // Any path to the same segments gives the same checksums: threads, split(quantize).
-  const auto threaded = lynx::encode<Plan, G, T>(keys, values, golden::layer, {golden::generation, 2});
-  const auto split = lynx::split<Plan, G>(lynx::quantize<Plan, G, T>(keys, values, golden::layer), golden::layer, golden::generation);
+  const auto threaded =
+      lynx::encode<Plan, G, T>(keys, values, golden::layer, {golden::generation, 2});
+  const auto split = lynx::split<Plan, G>(lynx::quantize<Plan, G, T>(keys, values, golden::layer),
+                                          golden::layer, golden::generation);
   for (int s = 0; s < Plan::streams; ++s) {
     CHECK(header_checksum(threaded.segment(s)) == entry->checksum[s]);
     CHECK(header_checksum(split.segment(s)) == entry->checksum[s]);

@@ -99,11 +99,14 @@ void check_group(const std::vector<float>& xs) {
       // The same value through the hot-loop form.
       const float level = static_cast<float>(prefix << missing) + lynx::midpoint_offset<B>(planes);
       REQUIRE(level == lynx::midpoint_level<B>(prefix, planes));
-      REQUIRE(std::bit_cast<std::uint32_t>(lynx::reconstruct_from_level(level, p)) == std::bit_cast<std::uint32_t>(r));
-      // fma rounds once: r is the float nearest to zero + scale * level (computed exactly in double:
-      // scale has 24 significant bits, level at most 17, so the product is exact).
-      const double exact = static_cast<double>(p.zero) + static_cast<double>(p.scale) * static_cast<double>(level);
-      const double spacing = static_cast<double>(std::nextafter(std::fabs(r), 3e38f)) - std::fabs(static_cast<double>(r));
+      REQUIRE(std::bit_cast<std::uint32_t>(lynx::reconstruct_from_level(level, p)) ==
+              std::bit_cast<std::uint32_t>(r));
+      // fma rounds once: r is the float nearest to zero + scale * level (computed exactly in
+      // double: scale has 24 significant bits, level at most 17, so the product is exact).
+      const double exact =
+          static_cast<double>(p.zero) + static_cast<double>(p.scale) * static_cast<double>(level);
+      const double spacing = static_cast<double>(std::nextafter(std::fabs(r), 3e38f)) -
+                             std::fabs(static_cast<double>(r));
       REQUIRE(std::fabs(static_cast<double>(r) - exact) <= 0.5 * spacing);
       // Half a bin of width scale * 2^(B - planes) of the input.
       const double half_bin = 0.5 * scale_ref * std::ldexp(1.0, missing);
@@ -120,7 +123,8 @@ void check_random_groups(std::uint64_t seed, int groups) {
   splitmix64 rng{seed};
   for (int gi = 0; gi < groups; ++gi) {
     const int n = 1 + static_cast<int>(rng.next() % 64);
-    const double magnitude = std::ldexp(1.0, static_cast<int>(rng.next() % 40) - 20);  // 2^-20 .. 2^19
+    const double magnitude =
+        std::ldexp(1.0, static_cast<int>(rng.next() % 40) - 20);  // 2^-20 .. 2^19
     const double center = (rng.uniform() - 0.5) * magnitude * ((gi % 3 == 0) ? 1000.0 : 2.0);
     std::vector<float> xs(static_cast<std::size_t>(n));
     for (auto& x : xs) x = static_cast<float>(center + (rng.uniform() - 0.5) * magnitude);
@@ -128,7 +132,8 @@ void check_random_groups(std::uint64_t seed, int groups) {
   }
 }
 
-using plans = std::tuple<lynx::plan_8_4_4, lynx::plan_8_2_2_4, lynx::plan_16_4_12, lynx::plan_16_4_4_8, lynx::plan_12_4_8>;
+using plans = std::tuple<lynx::plan_8_4_4, lynx::plan_8_2_2_4, lynx::plan_16_4_12,
+                         lynx::plan_16_4_4_8, lynx::plan_12_4_8>;
 
 }  // namespace
 
@@ -149,7 +154,9 @@ TEST_CASE("round_small_nonnegative rounds half to even") {
   }
 }
 
-TEST_CASE("group parameters: scale = range / (2^B - 1), zero = min; tiny ranges are constant; overflow detected") {
+TEST_CASE(
+    "group parameters: scale = range / (2^B - 1), zero = min; tiny ranges are constant; overflow "
+    "detected") {
   auto p8 = lynx::make_group_params<8>(-1.0f, 1.55f);
   CHECK(p8.zero == -1.0f);
   CHECK(p8.scale == 2.55f / 255.0f);
@@ -159,7 +166,8 @@ TEST_CASE("group parameters: scale = range / (2^B - 1), zero = min; tiny ranges 
   CHECK(lynx::make_group_params<8>(3.0f, 3.0f).scale == 0.0f);
   CHECK(lynx::make_group_params<8>(0.0f, 0x1.0p-101f).scale == 0.0f);  // below min_group_range
   CHECK(lynx::make_group_params<8>(0.0f, 0x1.0p-100f).scale > 0.0f);   // at it: quantized
-  CHECK(std::isnormal(lynx::make_group_params<16>(0.0f, 0x1.0p-100f).scale));  // every scale is a normal float
+  CHECK(std::isnormal(
+      lynx::make_group_params<16>(0.0f, 0x1.0p-100f).scale));  // every scale is a normal float
   CHECK(lynx::range_overflow(-3e38f, 3e38f));
   CHECK(!lynx::range_overflow(-1e38f, 1e38f));
   CHECK(lynx::range_overflow(0.0f, std::numeric_limits<float>::infinity()));
@@ -179,11 +187,13 @@ TEST_CASE("quantize_value clamps to [0, 2^B - 1] and maps min and max to the end
   const float inv = lynx::inverse_scale<8>(p);
   CHECK(lynx::quantize_value<8>(-2.0f, p.zero, inv) == 0u);
   CHECK(lynx::quantize_value<8>(3.0f, p.zero, inv) == 255u);
-  CHECK(lynx::quantize_value<8>(-5.0f, p.zero, inv) == 0u);    // below the group: clamped
+  CHECK(lynx::quantize_value<8>(-5.0f, p.zero, inv) == 0u);     // below the group: clamped
   CHECK(lynx::quantize_value<8>(100.0f, p.zero, inv) == 255u);  // above: clamped
   const auto q = lynx::make_group_params<16>(-2.0f, 3.0f);
   CHECK(lynx::quantize_value<16>(3.0f, q.zero, lynx::inverse_scale<16>(q)) == 65535u);
-  CHECK(lynx::quantize_value<12>(3.0f, -2.0f, lynx::inverse_scale<12>(lynx::make_group_params<12>(-2.0f, 3.0f))) == 4095u);
+  CHECK(lynx::quantize_value<12>(
+            3.0f, -2.0f, lynx::inverse_scale<12>(lynx::make_group_params<12>(-2.0f, 3.0f))) ==
+        4095u);
 }
 
 TEST_CASE("midpoint reconstruction: the midpoint of the bins still possible") {
@@ -198,7 +208,9 @@ TEST_CASE("midpoint reconstruction: the midpoint of the bins still possible") {
   CHECK(lynx::reconstruct_value<8>(0b1010u, 4, p) == -1.0f + 0.5f * 167.5f);
 }
 
-TEST_CASE_TEMPLATE_DEFINE("reconstruction at every precision level is within half a bin of the fp64 reference", Plan, reference_id) {
+TEST_CASE_TEMPLATE_DEFINE(
+    "reconstruction at every precision level is within half a bin of the fp64 reference", Plan,
+    reference_id) {
   constexpr int B = Plan::bits;
   // Every level of the plan is among p = 1..B, which check_group covers; make sure of it.
   for (int level = 1; level <= Plan::streams; ++level) {
@@ -216,16 +228,20 @@ TEST_CASE_TEMPLATE_DEFINE("reconstruction at every precision level is within hal
 }
 TEST_CASE_TEMPLATE_APPLY(reference_id, plans);
 
-TEST_CASE_TEMPLATE_DEFINE("constant, denormal-only and signed-zero groups: scale 0, codes 0, exact reconstruction", Plan, constant_id) {
+TEST_CASE_TEMPLATE_DEFINE(
+    "constant, denormal-only and signed-zero groups: scale 0, codes 0, exact reconstruction", Plan,
+    constant_id) {
   constexpr int B = Plan::bits;
   check_group<B>({2.5f, 2.5f, 2.5f});
-  check_group<B>({-1e-30f});                                    // one element
-  check_group<B>({0.0f, -0.0f, 0.0f, -0.0f});                   // +0 and -0 compare equal: constant
-  check_group<B>({1e-45f, 3e-45f, -1e-45f, 1e-40f, 0.0f});      // only denormals: range < 2^-100
-  check_group<B>({std::numeric_limits<float>::denorm_min(), -std::numeric_limits<float>::denorm_min()});
+  check_group<B>({-1e-30f});                                // one element
+  check_group<B>({0.0f, -0.0f, 0.0f, -0.0f});               // +0 and -0 compare equal: constant
+  check_group<B>({1e-45f, 3e-45f, -1e-45f, 1e-40f, 0.0f});  // only denormals: range < 2^-100
+  check_group<B>(
+      {std::numeric_limits<float>::denorm_min(), -std::numeric_limits<float>::denorm_min()});
   const auto p = lynx::make_group_params<B>(-0.0f, 0.0f);
   CHECK(p.scale == 0.0f);
-  for (int planes = 1; planes <= B; ++planes) CHECK(lynx::reconstruct_value<B>(0u, planes, p) == 0.0f);
+  for (int planes = 1; planes <= B; ++planes)
+    CHECK(lynx::reconstruct_value<B>(0u, planes, p) == 0.0f);
 }
 TEST_CASE_TEMPLATE_APPLY(constant_id, plans);
 
@@ -259,9 +275,13 @@ TEST_CASE_TEMPLATE_DEFINE("anchor-only reconstruction is unbiased", Plan, unbias
     double group_midpoint = 0, group_truncated = 0;
     for (float x : xs) {
       const std::uint32_t prefix = lynx::quantize_value<B>(x, p.zero, inv) >> missing;
-      group_midpoint += (static_cast<double>(lynx::reconstruct_value<B>(prefix, anchor_planes, p)) - x) / w;
+      group_midpoint +=
+          (static_cast<double>(lynx::reconstruct_value<B>(prefix, anchor_planes, p)) - x) / w;
       // Negative control: the bin's lower edge instead of its midpoint is biased by about -1/2 bin.
-      group_truncated += (static_cast<double>(p.zero) + static_cast<double>(p.scale) * static_cast<double>(prefix << missing) - x) / w;
+      group_truncated +=
+          (static_cast<double>(p.zero) +
+           static_cast<double>(p.scale) * static_cast<double>(prefix << missing) - x) /
+          w;
     }
     sum_midpoint += group_midpoint / group_size;
     sum_truncated += group_truncated / group_size;

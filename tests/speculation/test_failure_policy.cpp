@@ -33,7 +33,9 @@ std::vector<std::int32_t> greedy_at(int levels, int level, std::int32_t first, i
 
 }  // namespace
 
-TEST_CASE("continue_unverified mid-draft: the level present becomes the target; every later token is flagged and counted") {
+TEST_CASE(
+    "continue_unverified mid-draft: the level present becomes the target; every later token is "
+    "flagged and counted") {
   for (const int drafts_before : {0, 1, 3, 8}) {
     for (const int max_draft : {0, 4, 8}) {
       CAPTURE(drafts_before);
@@ -80,7 +82,9 @@ TEST_CASE("continue_unverified mid-draft: the level present becomes the target; 
   }
 }
 
-TEST_CASE("continue_unverified with three streams: drafts of level 1 are verified at level 2, the new target") {
+TEST_CASE(
+    "continue_unverified with three streams: drafts of level 1 are verified at level 2, the new "
+    "target") {
   for (const int drafts_before : {0, 2, 6}) {
     CAPTURE(drafts_before);
     toy_engine e;
@@ -98,7 +102,9 @@ TEST_CASE("continue_unverified with three streams: drafts of level 1 are verifie
   }
 }
 
-TEST_CASE("continue_unverified changes nothing when every level is present; it needs the anchor; not after fail") {
+TEST_CASE(
+    "continue_unverified changes nothing when every level is present; it needs the anchor; not "
+    "after fail") {
   {
     toy_engine e;
     lynx::session_options o;
@@ -131,7 +137,8 @@ TEST_CASE("continue_unverified changes nothing when every level is present; it n
 }
 
 TEST_CASE("failure policy names and resend segment lists round-trip; bad text is refused") {
-  for (const auto p : {lynx::failure_policy::fail_request, lynx::failure_policy::continue_unverified, lynx::failure_policy::rerequest})
+  for (const auto p : {lynx::failure_policy::fail_request,
+                       lynx::failure_policy::continue_unverified, lynx::failure_policy::rerequest})
     CHECK(lynx::parse_failure_policy(lynx::to_string(p)) == p);
   CHECK_THROWS_AS(lynx::parse_failure_policy("retry"), lynx::error);
   const std::vector<lynx::segment_id> ids{{0, 1, 9}, {3, 1, 9}, {12, 2, 9}};

@@ -38,13 +38,15 @@ struct landing {
 };
 
 template <class Verifier>
-lynx::progressive_session<toy_engine, Verifier> run(toy_engine& e, Verifier v, const landing& land, lynx::session_options o,
-                                                     std::int32_t first = 2) {
+lynx::progressive_session<toy_engine, Verifier> run(toy_engine& e, Verifier v, const landing& land,
+                                                    lynx::session_options o,
+                                                    std::int32_t first = 2) {
   lynx::progressive_session<toy_engine, Verifier> s(e, v, e.levels, 100, first, o);
   int steps = 0;
   while (!s.finished()) {
     for (std::size_t l = 0; l < land.at_step.size(); ++l)
-      if (steps == land.at_step[l] && s.available_level() < static_cast<int>(l) + 1) s.set_available_level(static_cast<int>(l) + 1);
+      if (steps == land.at_step[l] && s.available_level() < static_cast<int>(l) + 1)
+        s.set_available_level(static_cast<int>(l) + 1);
     s.step();
     REQUIRE(++steps < 10000);
   }
@@ -53,7 +55,8 @@ lynx::progressive_session<toy_engine, Verifier> run(toy_engine& e, Verifier v, c
 
 }  // namespace
 
-TEST_CASE("greedy session commits exactly the target's greedy tokens, whenever the residual lands") {
+TEST_CASE(
+    "greedy session commits exactly the target's greedy tokens, whenever the residual lands") {
   const auto want = plain_greedy(2, 2, 40);
   for (int max_draft : {0, 1, 2, 5, 8, 16})
     for (int residual_at : {0, 1, 2, 3, 7, 30, 200})
@@ -136,8 +139,10 @@ TEST_CASE("bad session parameters are rejected") {
   toy_engine e;
   lynx::session_options o;
   o.max_draft = -1;
-  CHECK_THROWS_AS((lynx::progressive_session(e, lynx::greedy_verifier{}, 2, 10, 1, o)), lynx::error);
-  CHECK_THROWS_AS((lynx::progressive_session(e, lynx::greedy_verifier{}, 0, 10, 1, {})), lynx::error);
+  CHECK_THROWS_AS((lynx::progressive_session(e, lynx::greedy_verifier{}, 2, 10, 1, o)),
+                  lynx::error);
+  CHECK_THROWS_AS((lynx::progressive_session(e, lynx::greedy_verifier{}, 0, 10, 1, {})),
+                  lynx::error);
 }
 
 TEST_CASE("speculative sampling commits tokens distributed as the target (chi-square)") {
@@ -152,7 +157,8 @@ TEST_CASE("speculative sampling commits tokens distributed as the target (chi-sq
   auto target_p = [&](std::int32_t x) {
     std::array<double, V> p{};
     double sum = 0;
-    for (int v = 0; v < V; ++v) sum += p[v] = std::exp(static_cast<double>(toy_engine::logit(2, 2, x, v)));
+    for (int v = 0; v < V; ++v)
+      sum += p[v] = std::exp(static_cast<double>(toy_engine::logit(2, 2, x, v)));
     for (double& q : p) q /= sum;
     return p;
   };
@@ -205,7 +211,8 @@ TEST_CASE("sampling with drafts from the draft distribution alone would fail the
   double chi2 = 0;
   std::array<double, V> p{};
   double sum = 0;
-  for (int t = 0; t < V; ++t) sum += p[t] = std::exp(static_cast<double>(toy_engine::logit(2, 2, 3, t)));
+  for (int t = 0; t < V; ++t)
+    sum += p[t] = std::exp(static_cast<double>(toy_engine::logit(2, 2, 3, t)));
   for (int t = 0; t < V; ++t) {
     const double expected = requests * p[t] / sum;
     chi2 += (counts[t] - expected) * (counts[t] - expected) / expected;

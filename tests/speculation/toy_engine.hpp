@@ -21,8 +21,10 @@ struct toy_engine {
 
   // logits of the token following x at a precision level (level == levels: target)
   static float logit(int level, int levels, std::int32_t x, int v) {
-    const double target = std::log(1.0 + static_cast<double>((x * 7 + v * 5) % 6));  // p(v | x) ∝ 1 + (7x + 5v) mod 6
-    const double skew = (levels - level) * 0.8 * ((v + x) % 3 == 0 ? 1.0 : -0.5);    // drafts lean elsewhere
+    const double target =
+        std::log(1.0 + static_cast<double>((x * 7 + v * 5) % 6));  // p(v | x) ∝ 1 + (7x + 5v) mod 6
+    const double skew =
+        (levels - level) * 0.8 * ((v + x) % 3 == 0 ? 1.0 : -0.5);  // drafts lean elsewhere
     return static_cast<float>(target + skew);
   }
 
@@ -33,13 +35,16 @@ struct toy_engine {
     tail.resize(tail.size() - static_cast<std::size_t>(n));
     tail_level.resize(tail.size());
   }
-  void forward(std::span<const std::int32_t> tokens, std::int64_t /*position*/, int level, std::span<float> logits) {
-    if (logits.size() != tokens.size() * vocab) throw std::invalid_argument("toy_engine: logits size");
+  void forward(std::span<const std::int32_t> tokens, std::int64_t /*position*/, int level,
+               std::span<float> logits) {
+    if (logits.size() != tokens.size() * vocab)
+      throw std::invalid_argument("toy_engine: logits size");
     ++forwards;
     for (std::size_t i = 0; i < tokens.size(); ++i) {
       tail.push_back(tokens[i]);
       tail_level.push_back(level);
-      for (int v = 0; v < vocab; ++v) logits[i * vocab + static_cast<std::size_t>(v)] = logit(level, levels, tokens[i], v);
+      for (int v = 0; v < vocab; ++v)
+        logits[i * vocab + static_cast<std::size_t>(v)] = logit(level, levels, tokens[i], v);
     }
   }
 };

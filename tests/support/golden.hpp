@@ -30,7 +30,8 @@ constexpr std::uint64_t mix(std::uint64_t z) {
 /// 2^-21 in [-4, 4); every element whose index is 7 mod 613 is an outlier (x 250).
 constexpr float golden_value(std::uint64_t seed, std::uint64_t index) {
   const std::uint64_t z = mix(seed * 0x100000001b3ull + index);
-  const float x = static_cast<float>(static_cast<std::int64_t>(z >> 40) - (std::int64_t{1} << 23)) * 4.76837158203125e-07f;  // * 2^-21
+  const float x = static_cast<float>(static_cast<std::int64_t>(z >> 40) - (std::int64_t{1} << 23)) *
+                  4.76837158203125e-07f;  // * 2^-21
   return index % 613 == 7 ? x * 250.0f : x;
 }
 
@@ -53,7 +54,7 @@ inline constexpr int group_size = 32;
 
 /// Expected `checksum` field of the header of each stream's segment.
 struct checksum_entry {
-  const char* plan;      // stream_plan<...>::name(), e.g. "8 = 4 + 4"
+  const char* plan;            // stream_plan<...>::name(), e.g. "8 = 4 + 4"
   lynx::element_kind element;  // input element type
   int streams;
   std::uint64_t checksum[4];
@@ -62,12 +63,24 @@ struct checksum_entry {
 inline constexpr checksum_entry checksums[] = {
     {"8 = 4 + 4", lynx::element_kind::f32, 2, {0xfe0dcf7d9aa10dcaull, 0xd0ad589ebcaae60aull}},
     {"8 = 4 + 4", lynx::element_kind::bf16, 2, {0x178bf2e5de72b484ull, 0x3db313a51165c18eull}},
-    {"8 = 2 + 2 + 4", lynx::element_kind::f32, 3, {0x4a905b6912cc6e87ull, 0x026b9b0a8fcb82c0ull, 0x0dc29fde63f1d567ull}},
-    {"8 = 2 + 2 + 4", lynx::element_kind::bf16, 3, {0x2785fcab3ec78a5full, 0x30116a61e0363962ull, 0x6f6633c9bf50dc1eull}},
+    {"8 = 2 + 2 + 4",
+     lynx::element_kind::f32,
+     3,
+     {0x4a905b6912cc6e87ull, 0x026b9b0a8fcb82c0ull, 0x0dc29fde63f1d567ull}},
+    {"8 = 2 + 2 + 4",
+     lynx::element_kind::bf16,
+     3,
+     {0x2785fcab3ec78a5full, 0x30116a61e0363962ull, 0x6f6633c9bf50dc1eull}},
     {"16 = 4 + 12", lynx::element_kind::f32, 2, {0x0625efe88b366995ull, 0x1068a07f5b2c1f12ull}},
     {"16 = 4 + 12", lynx::element_kind::bf16, 2, {0x2ee5ba49513c430eull, 0xb213e58cf6d69a18ull}},
-    {"16 = 4 + 4 + 8", lynx::element_kind::f32, 3, {0x6199c545a8735a88ull, 0x020d904928d4d54eull, 0x25fd0159f9a50a5cull}},
-    {"16 = 4 + 4 + 8", lynx::element_kind::bf16, 3, {0x1b0c6c95b1055a4dull, 0x3b14a3403b89e383ull, 0xf6ae4dc3f3632994ull}},
+    {"16 = 4 + 4 + 8",
+     lynx::element_kind::f32,
+     3,
+     {0x6199c545a8735a88ull, 0x020d904928d4d54eull, 0x25fd0159f9a50a5cull}},
+    {"16 = 4 + 4 + 8",
+     lynx::element_kind::bf16,
+     3,
+     {0x1b0c6c95b1055a4dull, 0x3b14a3403b89e383ull, 0xf6ae4dc3f3632994ull}},
 };
 
 }  // namespace lynx_tests::golden

@@ -44,7 +44,9 @@ lynx::errc accept_code(lynx::host_bitplane_tensor<plan>& tensor, std::span<const
 
 }  // namespace
 
-TEST_CASE("scheduler over the loopback, receiver on another thread: every anchor arrives before any residual") {
+TEST_CASE(
+    "scheduler over the loopback, receiver on another thread: every anchor arrives before any "
+    "residual") {
   const lynx::test::encoded_request<lynx::plan_8_2_2_4> request(8, shape);
   const auto all = request.all_segments();
   for (const int lanes : {1, 2}) {
@@ -98,18 +100,20 @@ TEST_CASE("deadlines fire on an empty loopback") {
   CHECK(lynx::poll(link.receiver()).status == lynx::errc::timeout);
 }
 
-TEST_CASE("faults on the loopback reach the receiver tensor: rejected with the right code, duplicates idempotent") {
+TEST_CASE(
+    "faults on the loopback reach the receiver tensor: rejected with the right code, duplicates "
+    "idempotent") {
   const lynx::test::encoded_request<plan> request(6, shape, /*generation=*/5);
   lynx::loopback_link link(1);
   // Post order: L0 S0, L0 S1, L1 S0, L1 S1, ... ; faults by (layer, stream).
   std::map<std::pair<std::uint32_t, int>, lynx::fault> faults{
       {{0, 1}, {lynx::fault_kind::drop}},
       {{1, 0}, {lynx::fault_kind::duplicate}},
-      {{2, 1}, {lynx::fault_kind::reorder}},                              // overtakes L2 S0
-      {{3, 0}, {lynx::fault_kind::corrupt}},                              // payload byte flipped
-      {{3, 1}, {lynx::fault_kind::corrupt, 8}},                           // header byte: the layer field
+      {{2, 1}, {lynx::fault_kind::reorder}},     // overtakes L2 S0
+      {{3, 0}, {lynx::fault_kind::corrupt}},     // payload byte flipped
+      {{3, 1}, {lynx::fault_kind::corrupt, 8}},  // header byte: the layer field
       {{4, 0}, {lynx::fault_kind::truncate, request.segment(4, 0).size() - 1}},
-      {{4, 1}, {lynx::fault_kind::truncate, 100}},                        // shorter than the header
+      {{4, 1}, {lynx::fault_kind::truncate, 100}},  // shorter than the header
   };
   link.set_fault_hook([&](const lynx::send_request& r, std::uint64_t) {
     const auto it = faults.find({r.id.layer, r.id.stream});
@@ -125,10 +129,12 @@ TEST_CASE("faults on the loopback reach the receiver tensor: rejected with the r
 
   std::vector<lynx::host_bitplane_tensor<plan>> tensors;
   for (int l = 0; l < 6; ++l) tensors.emplace_back(shape, static_cast<std::uint32_t>(l), 5);
-  std::map<std::pair<std::uint32_t, int>, std::vector<lynx::errc>> outcome;  // by (layer, stream), in arrival order
+  std::map<std::pair<std::uint32_t, int>, std::vector<lynx::errc>>
+      outcome;  // by (layer, stream), in arrival order
   // One lane, all posted before the receiver starts: the arrival order is fixed.
-  const std::vector<std::pair<std::uint32_t, int>> expected{{0, 0}, {1, 0}, {1, 0}, {1, 1}, {2, 1}, {2, 0},
-                                                            {3, 0}, {3, 1}, {4, 0}, {4, 1}, {5, 0}, {5, 1}};
+  const std::vector<std::pair<std::uint32_t, int>> expected{{0, 0}, {1, 0}, {1, 0}, {1, 1},
+                                                            {2, 1}, {2, 0}, {3, 0}, {3, 1},
+                                                            {4, 0}, {4, 1}, {5, 0}, {5, 1}};
   int duplicates = 0;
   std::thread receiver([&] {
     for (const auto& key : expected) {
@@ -139,18 +145,21 @@ TEST_CASE("faults on the loopback reach the receiver tensor: rejected with the r
       const auto sent = request.segment(static_cast<int>(key.first), key.second);
       CHECK(r.segment.bytes.size() <= sent.size());
       std::size_t diff = 0;
-      for (std::size_t b = 0; b < std::min(r.segment.bytes.size(), sent.size()); ++b) diff += sent[b] != r.segment.bytes[b];
+      for (std::size_t b = 0; b < std::min(r.segment.bytes.size(), sent.size()); ++b)
+        diff += sent[b] != r.segment.bytes[b];
       CHECK(diff <= 1);
       lynx::errc code = lynx::errc::ok;
       try {
-        if (tensors[key.first].accept(r.segment.bytes) == lynx::accept_result::duplicate) ++duplicates;
+        if (tensors[key.first].accept(r.segment.bytes) == lynx::accept_result::duplicate)
+          ++duplicates;
       } catch (const lynx::error& e) {
         code = e.code();
       }
       outcome[key].push_back(code);
       link.receiver().release(r.segment);
     }
-    CHECK(link.receiver().try_receive(clock_type::now() + 50ms).status == lynx::errc::timeout);  // the lost one never comes
+    CHECK(link.receiver().try_receive(clock_type::now() + 50ms).status ==
+          lynx::errc::timeout);  // the lost one never comes
   });
   receiver.join();
 
@@ -194,16 +203,20 @@ TEST_CASE("faults on the loopback reach the receiver tensor: rejected with the r
     if (key == std::pair<std::uint32_t, int>{0, 1}) CHECK(delivered.count(t) == 0);
 }
 
-TEST_CASE("a lost segment makes the scheduler time out instead of hang, and its buffer stays unreleased") {
+TEST_CASE(
+    "a lost segment makes the scheduler time out instead of hang, and its buffer stays "
+    "unreleased") {
   const lynx::test::encoded_request<plan> request(3, shape);
   lynx::loopback_link link(2);
   link.set_fault_hook([](const lynx::send_request& r, std::uint64_t) {
-    return r.id.layer == 1 && r.id.stream == 1 ? lynx::fault{lynx::fault_kind::drop} : lynx::fault{};
+    return r.id.layer == 1 && r.id.stream == 1 ? lynx::fault{lynx::fault_kind::drop}
+                                               : lynx::fault{};
   });
   lynx::stream_scheduler scheduler(link.sender(), {1});
   for (const auto s : request.all_segments()) scheduler.submit(s);
   std::thread receiver([&] {
-    for (int i = 0; i < 4; ++i) {  // three anchors and L0's residual; L1's is lost, so L2's is never posted
+    for (int i = 0; i < 4;
+         ++i) {  // three anchors and L0's residual; L1's is lost, so L2's is never posted
       const auto r = link.receiver().try_receive(soon());
       if (!r.ok()) return;
       link.receiver().release(r.segment);
@@ -215,7 +228,8 @@ TEST_CASE("a lost segment makes the scheduler time out instead of hang, and its 
   for (const auto& r : scheduler.records()) {
     CAPTURE(lynx::describe(r.id));
     const bool lost = r.id.layer == 1 && r.id.stream == 1;
-    const bool held_back = r.id.layer == 2 && r.id.stream == 1;  // the window is full with the lost one
+    const bool held_back =
+        r.id.layer == 2 && r.id.stream == 1;  // the window is full with the lost one
     CHECK(r.posted == !held_back);
     CHECK(r.released == (!lost && !held_back));
     if (lost) CHECK(r.reusable);  // the loopback copied it, but no delivery was confirmed
@@ -238,7 +252,8 @@ TEST_CASE("a dead peer is reported on both sides; the scheduler stops posting") 
         return;
       }
       link.receiver().release(r.segment);
-      if (++received == 5) link.break_link(lynx::errc::peer_failure);  // dies after the anchors and one residual
+      if (++received == 5)
+        link.break_link(lynx::errc::peer_failure);  // dies after the anchors and one residual
     }
   });
   const lynx::errc status = scheduler.run(soon());
@@ -249,8 +264,10 @@ TEST_CASE("a dead peer is reported on both sides; the scheduler stops posting") 
   CHECK(scheduler.outstanding() == 0);
   int unposted = 0;
   for (const auto& r : scheduler.records()) {
-    if (!r.posted) ++unposted;
-    else CHECK(r.released);
+    if (!r.posted)
+      ++unposted;
+    else
+      CHECK(r.released);
   }
   CHECK(unposted >= 1);
 }

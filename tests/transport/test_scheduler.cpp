@@ -28,8 +28,9 @@ lynx::simulated_link_options shared_lane(std::size_t chunk) {
 
 }  // namespace
 
-TEST_CASE_TEMPLATE("all anchors reach the receiver before any residual byte is sent, then streams in order", Plan, lynx::plan_8_4_4,
-                   lynx::plan_8_2_2_4) {
+TEST_CASE_TEMPLATE(
+    "all anchors reach the receiver before any residual byte is sent, then streams in order", Plan,
+    lynx::plan_8_4_4, lynx::plan_8_2_2_4) {
   const lynx::test::encoded_request<Plan> request(6, shape);
   lynx::simulated_link link(shared_lane(4096));
   const std::size_t window = request.segment(0, 1).size() * 2;
@@ -50,13 +51,16 @@ TEST_CASE_TEMPLATE("all anchors reach the receiver before any residual byte is s
   REQUIRE(log.size() == segments.size());
   for (std::size_t i = 1; i < log.size(); ++i) {
     CAPTURE(i);
-    CHECK(std::make_pair(log[i - 1].id.stream, log[i - 1].id.layer) < std::make_pair(log[i].id.stream, log[i].id.layer));
+    CHECK(std::make_pair(log[i - 1].id.stream, log[i - 1].id.layer) <
+          std::make_pair(log[i].id.stream, log[i].id.layer));
   }
   // On the shared lane no residual byte leaves before the last anchor's last byte.
   lynx::virtual_time anchors_sent{}, first_residual_byte = lynx::virtual_time::max();
   for (const auto& a : log) {
-    if (a.id.stream == 0) anchors_sent = std::max(anchors_sent, a.last_byte_sent);
-    else first_residual_byte = std::min(first_residual_byte, a.first_byte_sent);
+    if (a.id.stream == 0)
+      anchors_sent = std::max(anchors_sent, a.last_byte_sent);
+    else
+      first_residual_byte = std::min(first_residual_byte, a.first_byte_sent);
   }
   CHECK(anchors_sent <= first_residual_byte);
 
@@ -81,11 +85,14 @@ TEST_CASE_TEMPLATE("all anchors reach the receiver before any residual byte is s
   for (const auto& t : tensors) CHECK(t.complete());
 }
 
-TEST_CASE("the residual window holds at every post, for windows smaller than, equal to and larger than a segment") {
+TEST_CASE(
+    "the residual window holds at every post, for windows smaller than, equal to and larger than a "
+    "segment") {
   const lynx::test::encoded_request<lynx::plan_8_2_2_4> request(8, shape);
   const std::size_t residual = request.segment(0, 1).size();  // stream 1: 2 planes
   const std::size_t largest = request.segment(0, 2).size();   // stream 2: 4 planes
-  for (const std::size_t window : {std::size_t{1}, residual, largest, residual + largest, 3 * largest, std::size_t{1} << 30}) {
+  for (const std::size_t window :
+       {std::size_t{1}, residual, largest, residual + largest, 3 * largest, std::size_t{1} << 30}) {
     CAPTURE(window);
     lynx::simulated_link link(lynx::simulated_link_options::two_lanes(1'000'000'000, 10us));
     lynx::test::window_checking_sender checked(link.sender(), window);
@@ -100,7 +107,9 @@ TEST_CASE("the residual window holds at every post, for windows smaller than, eq
   }
 }
 
-TEST_CASE("layer-by-layer prefill: a later anchor waits at most one chunk behind the residual already flowing") {
+TEST_CASE(
+    "layer-by-layer prefill: a later anchor waits at most one chunk behind the residual already "
+    "flowing") {
   // Layers become ready every 60 us (the prefill's pace; an anchor takes 49 us on
   // the wire, its residual 33 us), so residual bytes are flowing when the next anchor comes.
   const lynx::test::encoded_request<lynx::plan_8_4_4> request(8, shape);
@@ -124,12 +133,16 @@ TEST_CASE("layer-by-layer prefill: a later anchor waits at most one chunk behind
         previous_anchor_done = a.last_byte_sent;
       }
     const auto one_chunk = lynx::simulated_link::wire_time(4096, 1'000'000'000);
-    if (chunk != 0) CHECK(worst <= one_chunk);
-    else CHECK(worst > one_chunk);  // without preemption an anchor can wait a whole residual segment
+    if (chunk != 0)
+      CHECK(worst <= one_chunk);
+    else
+      CHECK(worst > one_chunk);  // without preemption an anchor can wait a whole residual segment
   }
 }
 
-TEST_CASE("buffers are released only after their final completion: overwriting them then never corrupts a delivery") {
+TEST_CASE(
+    "buffers are released only after their final completion: overwriting them then never corrupts "
+    "a delivery") {
   const lynx::test::encoded_request<lynx::plan_8_4_4> request(4, shape);
   // The scheduler sends private copies; on release the test poisons them.
   std::vector<lynx::aligned_buffer> copies;
@@ -154,7 +167,9 @@ TEST_CASE("buffers are released only after their final completion: overwriting t
   int accepted = 0;
   for (auto r = lynx::poll(link.receiver()); r.ok(); r = lynx::poll(link.receiver())) {
     const auto h = lynx::peek_header(r.segment.bytes);
-    CHECK(std::memcmp(r.segment.bytes.data(), request.segment(static_cast<int>(h.layer), h.stream).data(), r.segment.bytes.size()) == 0);
+    CHECK(std::memcmp(r.segment.bytes.data(),
+                      request.segment(static_cast<int>(h.layer), h.stream).data(),
+                      r.segment.bytes.size()) == 0);
     tensors[h.layer].accept(r.segment.bytes);
     link.receiver().release(r.segment);
     ++accepted;
@@ -171,7 +186,8 @@ TEST_CASE("timelines are reproducible: the same request twice gives identical lo
     REQUIRE(scheduler.run(virtual_time(10s)) == lynx::errc::ok);
     std::vector<std::int64_t> times;
     for (const auto& r : scheduler.records())
-      for (const auto t : {r.posted_at, r.reusable_at, r.delivered_at}) times.push_back(t.time_since_epoch().count());
+      for (const auto t : {r.posted_at, r.reusable_at, r.delivered_at})
+        times.push_back(t.time_since_epoch().count());
     return std::make_pair(link.arrivals(), times);
   };
   const auto a = once();
@@ -206,8 +222,10 @@ TEST_CASE("the scheduler reports a deadline and a transport failure instead of w
     CHECK(scheduler.outstanding() == 0);
     int failed = 0, unposted = 0;
     for (const auto& r : scheduler.records()) {
-      if (!r.posted) ++unposted;
-      else CHECK(r.released);
+      if (!r.posted)
+        ++unposted;
+      else
+        CHECK(r.released);
       if (r.status == lynx::errc::peer_failure) ++failed;
     }
     CHECK(failed >= 1);

@@ -20,7 +20,8 @@ constexpr std::int64_t ps_per_us = 1'000'000;
 
 virtual_time at_ps(std::int64_t ps) { return virtual_time(virtual_duration(ps)); }
 
-lynx::send_request raw(std::span<const std::byte> bytes, std::uint32_t layer, int stream, lynx::lane_index lane) {
+lynx::send_request raw(std::span<const std::byte> bytes, std::uint32_t layer, int stream,
+                       lynx::lane_index lane) {
   return {bytes, {layer, stream, 0}, lane, static_cast<lynx::send_priority>(stream)};
 }
 
@@ -42,7 +43,8 @@ TEST_CASE("1 MB at 1 GB/s with 10 us latency arrives at exactly 1.01 ms virtual"
   link.receiver().release(r.segment);
   CHECK(link.receiver().held() == 0);
 
-  // Sender: buffer reusable when the last byte left (1 ms), delivered when the ack is back (1.02 ms).
+  // Sender: buffer reusable when the last byte left (1 ms), delivered when the ack is back (1.02
+  // ms).
   auto e1 = link.sender().next_event(at_ps(5'000 * ps_per_us));
   REQUIRE(e1);
   CHECK(e1->kind == lynx::completion_kind::buffer_reusable);
@@ -77,7 +79,8 @@ TEST_CASE("chunking does not accumulate rounding: the busy period's total bytes 
     CAPTURE(chunk);
     CHECK(link.arrivals()[0].arrived.time_since_epoch().count() == 333'333'333'333'334);
   }
-  CHECK(lynx::simulated_link::wire_time(65536, 1'250'000'000).count() == 52'428'800);  // 64 KiB at 10 Gbit/s
+  CHECK(lynx::simulated_link::wire_time(65536, 1'250'000'000).count() ==
+        52'428'800);  // 64 KiB at 10 Gbit/s
 }
 
 namespace {
@@ -88,8 +91,9 @@ struct preemption_result {
 };
 
 preemption_result run_preemption(int lanes, std::size_t chunk_bytes) {
-  lynx::simulated_link_options o = lanes == 1 ? lynx::simulated_link_options::one_lane(1'000'000'000, 10us)
-                                              : lynx::simulated_link_options::two_lanes(1'000'000'000, 10us);
+  lynx::simulated_link_options o =
+      lanes == 1 ? lynx::simulated_link_options::one_lane(1'000'000'000, 10us)
+                 : lynx::simulated_link_options::two_lanes(1'000'000'000, 10us);
   o.chunk_bytes = chunk_bytes;
   lynx::simulated_link link(o);
   std::vector<std::byte> residual(1 << 20), anchor(100'000);
@@ -105,12 +109,15 @@ preemption_result run_preemption(int lanes, std::size_t chunk_bytes) {
 
 }  // namespace
 
-TEST_CASE("one shared lane: an anchor posted mid-residual waits at most one chunk; two lanes: not at all") {
+TEST_CASE(
+    "one shared lane: an anchor posted mid-residual waits at most one chunk; two lanes: not at "
+    "all") {
   SUBCASE("shared lane, 64 KiB chunks") {
     const auto r = run_preemption(1, 65536);
     // Chunk boundaries at k * 65.536 us; the first after 100 us is 131.072 us.
     CHECK(r.anchor.first_byte_sent == at_ps(131'072'000));
-    CHECK(r.anchor.first_byte_sent - r.anchor.posted <= lynx::simulated_link::wire_time(65536, 1'000'000'000));
+    CHECK(r.anchor.first_byte_sent - r.anchor.posted <=
+          lynx::simulated_link::wire_time(65536, 1'000'000'000));
     CHECK(r.anchor.arrived == at_ps(131'072'000 + 100'000'000 + 10'000'000));
     // The residual resumes after the anchor: all 1'148'576 bytes by 1148.576 us.
     CHECK(r.residual.last_byte_sent == at_ps(1'148'576'000));
@@ -132,7 +139,9 @@ TEST_CASE("one shared lane: an anchor posted mid-residual waits at most one chun
   }
 }
 
-TEST_CASE("strict priority on a shared lane: a more urgent segment is sent first, equal ones in post order") {
+TEST_CASE(
+    "strict priority on a shared lane: a more urgent segment is sent first, equal ones in post "
+    "order") {
   lynx::simulated_link_options o = lynx::simulated_link_options::one_lane(1'000'000, 0us);
   o.keep_bytes = false;
   lynx::simulated_link link(o);
@@ -162,7 +171,9 @@ TEST_CASE("deadlines fire in virtual time on an empty link") {
   CHECK(link.now() == at_ps(8 * ps_per_us));
   const auto later = link.receiver().try_receive(at_ps(100 * ps_per_us));
   REQUIRE(later.ok());
-  CHECK(later.segment.arrival == at_ps(7 * ps_per_us + 1 * ps_per_us + 10 * ps_per_us));  // posted 7 us, 1 us on the wire, 10 us latency
+  CHECK(later.segment.arrival ==
+        at_ps(7 * ps_per_us + 1 * ps_per_us +
+              10 * ps_per_us));  // posted 7 us, 1 us on the wire, 10 us latency
   CHECK(lynx::poll(link.receiver()).status == lynx::errc::timeout);
 }
 
@@ -189,9 +200,10 @@ TEST_CASE("a broken link reports its error to both sides, nothing hangs") {
   while (auto e = link.sender().next_event(at_ps(10'000 * ps_per_us))) events.push_back(*e);
   std::map<lynx::send_ticket, lynx::errc> final_status;
   for (const auto& e : events)
-    if (e.is_final()) CHECK(final_status.emplace(e.ticket, e.status).second);  // exactly one final event per send
+    if (e.is_final())
+      CHECK(final_status.emplace(e.ticket, e.status).second);  // exactly one final event per send
   CHECK(final_status.size() == 2);
-  CHECK(final_status[pa.ticket] == lynx::errc::ok);            // delivered and acknowledged at 21 us
+  CHECK(final_status[pa.ticket] == lynx::errc::ok);  // delivered and acknowledged at 21 us
   CHECK(final_status[pr.ticket] == lynx::errc::peer_failure);  // on the wire when the peer died
   const auto first = link.receiver().try_receive(at_ps(10'000 * ps_per_us));
   REQUIRE(first.ok());  // the anchor had arrived before the break

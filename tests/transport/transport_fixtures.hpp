@@ -22,7 +22,8 @@ struct encoded_request {
   kv_shape shape;
   std::vector<encoded_layer<Plan>> layers;
 
-  encoded_request(int layer_count, kv_shape s, std::uint64_t generation = 0, std::uint32_t seed = 1) : shape(s) {
+  encoded_request(int layer_count, kv_shape s, std::uint64_t generation = 0, std::uint32_t seed = 1)
+      : shape(s) {
     std::mt19937 rng(seed);
     std::normal_distribution<float> normal(0.0f, 1.0f);
     std::vector<float> k(static_cast<std::size_t>(s.elements())), v(k.size());
@@ -31,7 +32,8 @@ struct encoded_request {
       for (auto& x : v) x = normal(rng);
       encode_options o;
       o.generation = generation;
-      layers.push_back(encode<Plan>(token_major<const float>(k.data(), s), token_major<const float>(v.data(), s),
+      layers.push_back(encode<Plan>(token_major<const float>(k.data(), s),
+                                    token_major<const float>(v.data(), s),
                                     static_cast<std::uint32_t>(l), o));
     }
   }

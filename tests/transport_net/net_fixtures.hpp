@@ -41,26 +41,31 @@ struct layer_data {
 };
 
 template <stream_plan_type Plan>
-encoded_layer<Plan> encode_layer(kv_shape shape, std::uint32_t layer, std::uint32_t seed, std::uint64_t generation) {
+encoded_layer<Plan> encode_layer(kv_shape shape, std::uint32_t layer, std::uint32_t seed,
+                                 std::uint64_t generation) {
   const layer_data d(shape, layer, seed);
   encode_options o;
   o.generation = generation;
-  return encode<Plan>(token_major<const float>(d.keys.data(), shape), token_major<const float>(d.values.data(), shape), layer, o);
+  return encode<Plan>(token_major<const float>(d.keys.data(), shape),
+                      token_major<const float>(d.values.data(), shape), layer, o);
 }
 
 template <stream_plan_type Plan>
 quantized_layer quantize_layer(kv_shape shape, std::uint32_t layer, std::uint32_t seed) {
   const layer_data d(shape, layer, seed);
-  return quantize<Plan>(token_major<const float>(d.keys.data(), shape), token_major<const float>(d.values.data(), shape), layer);
+  return quantize<Plan>(token_major<const float>(d.keys.data(), shape),
+                        token_major<const float>(d.values.data(), shape), layer);
 }
 
 inline bool same_floats(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
+  return a.size() == b.size() &&
+         (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
 }
 /// Bit-for-bit equality of codes and parameters.
 inline bool same_bits(const quantized_layer& a, const quantized_layer& b) {
-  return a.geometry == b.geometry && a.key_codes == b.key_codes && a.value_codes == b.value_codes && same_floats(a.key_scale, b.key_scale) &&
-         same_floats(a.key_zero, b.key_zero) && same_floats(a.value_scale, b.value_scale) && same_floats(a.value_zero, b.value_zero);
+  return a.geometry == b.geometry && a.key_codes == b.key_codes && a.value_codes == b.value_codes &&
+         same_floats(a.key_scale, b.key_scale) && same_floats(a.key_zero, b.key_zero) &&
+         same_floats(a.value_scale, b.value_scale) && same_floats(a.value_zero, b.value_zero);
 }
 
 /// A forked child running `body`; its exit code is body's return value (an
@@ -125,11 +130,14 @@ class child_process {
 /// scheduler and returns 0 when every segment was delivered, 50 when a
 /// record broke the completion contract, else the errc of the run.
 template <stream_plan_type Plan, segment_sender Sender>
-int send_request(Sender& sender, kv_shape shape, int layers, std::uint32_t seed, std::uint64_t generation, std::size_t window,
-                 int stale_layers = 0) {
+int send_request(Sender& sender, kv_shape shape, int layers, std::uint32_t seed,
+                 std::uint64_t generation, std::size_t window, int stale_layers = 0) {
   std::vector<encoded_layer<Plan>> encoded, stale;
-  for (int l = 0; l < stale_layers; ++l) stale.push_back(encode_layer<Plan>(shape, static_cast<std::uint32_t>(l), seed + 1, generation - 1));
-  for (int l = 0; l < layers; ++l) encoded.push_back(encode_layer<Plan>(shape, static_cast<std::uint32_t>(l), seed, generation));
+  for (int l = 0; l < stale_layers; ++l)
+    stale.push_back(
+        encode_layer<Plan>(shape, static_cast<std::uint32_t>(l), seed + 1, generation - 1));
+  for (int l = 0; l < layers; ++l)
+    encoded.push_back(encode_layer<Plan>(shape, static_cast<std::uint32_t>(l), seed, generation));
   stream_scheduler<Sender> scheduler(sender, {window});
   for (const auto& e : stale) scheduler.submit(e.segment(0));
   for (const auto& e : encoded)
@@ -151,7 +159,8 @@ struct arrival {
 
 /// Accepts one received segment into its layer's tensor, noting the verdict.
 template <stream_plan_type Plan>
-arrival deliver(std::vector<host_bitplane_tensor<Plan>>& tensors, std::span<const std::byte> bytes, lane_index lane) {
+arrival deliver(std::vector<host_bitplane_tensor<Plan>>& tensors, std::span<const std::byte> bytes,
+                lane_index lane) {
   arrival a;
   a.lane = lane;
   try {

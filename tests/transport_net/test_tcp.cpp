@@ -38,7 +38,9 @@ std::vector<lynx::host_bitplane_tensor<plan>> make_tensors(int layers, std::uint
   return t;
 }
 
-std::size_t residual_bytes() { return lynx::segment_bytes(lynx::make_geometry<plan, 32>(shape), 1); }
+std::size_t residual_bytes() {
+  return lynx::segment_bytes(lynx::make_geometry<plan, 32>(shape), 1);
+}
 
 // A test relay between a sender and a receiver, one thread per lane and
 // direction: frames from the sender are parsed and may be altered; acks from
@@ -49,7 +51,8 @@ struct relay_fault {
 
 class relay {
  public:
-  using fault_map = std::map<std::pair<std::uint32_t, int>, relay_fault>;  // (layer, stream) of the current generation
+  using fault_map = std::map<std::pair<std::uint32_t, int>,
+                             relay_fault>;  // (layer, stream) of the current generation
 
   relay(std::uint16_t receiver_port, fault_map faults, std::uint64_t generation)
       : faults_(std::move(faults)), generation_(generation), receiver_port_(receiver_port) {}
@@ -80,10 +83,12 @@ class relay {
     for (auto& x : t) x.join();
   }
 
-  void send_frame(int lane, lynx::tcp_wire::frame f, const std::vector<std::byte>& body, clock_type::time_point deadline) {
+  void send_frame(int lane, lynx::tcp_wire::frame f, const std::vector<std::byte>& body,
+                  clock_type::time_point deadline) {
     f.bytes = body.size();
     lynx::detail::write_all(down_[lane].fd(), &f, sizeof f, deadline, "relayed frame");
-    lynx::detail::write_all(down_[lane].fd(), body.data(), body.size(), deadline, "relayed segment");
+    lynx::detail::write_all(down_[lane].fd(), body.data(), body.size(), deadline,
+                            "relayed segment");
   }
 
   void forward(int lane, clock_type::time_point deadline) {
@@ -95,13 +100,21 @@ class relay {
         std::vector<std::byte> body(static_cast<std::size_t>(f.bytes));
         lynx::detail::read_all(up_[lane].fd(), body.data(), body.size(), deadline, "segment");
         const lynx::segment_header h = lynx::peek_header(body);
-        const auto it = h.generation == generation_ ? faults_.find({h.layer, h.stream}) : faults_.end();
+        const auto it =
+            h.generation == generation_ ? faults_.find({h.layer, h.stream}) : faults_.end();
         const auto kind = it == faults_.end() ? -1 : static_cast<int>(it->second.kind);
         switch (kind) {
-          case relay_fault::flip_payload: body[body.size() / 2] = ~body[body.size() / 2]; break;
-          case relay_fault::flip_header_size: body[offsetof(lynx::segment_header, payload_bytes)] ^= std::byte{0x40}; break;
-          case relay_fault::truncate: body.resize(body.size() - 1); break;
-          default: break;
+          case relay_fault::flip_payload:
+            body[body.size() / 2] = ~body[body.size() / 2];
+            break;
+          case relay_fault::flip_header_size:
+            body[offsetof(lynx::segment_header, payload_bytes)] ^= std::byte{0x40};
+            break;
+          case relay_fault::truncate:
+            body.resize(body.size() - 1);
+            break;
+          default:
+            break;
         }
         if (kind == relay_fault::hold_for_next) {
           held.emplace(f, std::move(body));
@@ -142,14 +155,17 @@ class relay {
 
 }  // namespace
 
-TEST_CASE("tcp, two processes: every layer through the scheduler; tensors complete and merge equals quantize bit for bit") {
+TEST_CASE(
+    "tcp, two processes: every layer through the scheduler; tensors complete and merge equals "
+    "quantize bit for bit") {
   ::alarm(120);
   constexpr int layers = 8;
   lynx::tcp_listener listener;
   const std::uint16_t port = listener.port();
   lynx::test::child_process sender([port] {
     auto s = lynx::tcp_sender::connect("127.0.0.1", port, in(10s));
-    return lynx::test::send_request<plan>(s, shape, layers, seed, /*generation=*/3, /*window=*/2 * residual_bytes());
+    return lynx::test::send_request<plan>(s, shape, layers, seed, /*generation=*/3,
+                                          /*window=*/2 * residual_bytes());
   });
   REQUIRE(sender.started());
   auto receiver = lynx::tcp_receiver::accept(listener, in(10s));
@@ -163,7 +179,8 @@ TEST_CASE("tcp, two processes: every layer through the scheduler; tensors comple
     receiver.release(r.segment);
   }
   CHECK(receiver.held() == 0);
-  CHECK(sender.wait(in(20s)) == 0);  // the sender saw every segment delivered (acked), reusable before delivered
+  CHECK(sender.wait(in(20s)) ==
+        0);  // the sender saw every segment delivered (acked), reusable before delivered
   // The sender is gone: the receiver says so instead of waiting.
   CHECK(receiver.try_receive(in(10s)).status == lynx::errc::peer_failure);
 
@@ -177,18 +194,22 @@ TEST_CASE("tcp, two processes: every layer through the scheduler; tensors comple
   }
   // Each lane is in layer order (the scheduler's order; TCP keeps it per connection).
   std::vector<std::uint32_t> in_order(layers);
-  for (int l = 0; l < layers; ++l) in_order[static_cast<std::size_t>(l)] = static_cast<std::uint32_t>(l);
+  for (int l = 0; l < layers; ++l)
+    in_order[static_cast<std::size_t>(l)] = static_cast<std::uint32_t>(l);
   CHECK(anchor_order == in_order);
   CHECK(residual_order == in_order);
   for (int l = 0; l < layers; ++l) {
     CAPTURE(l);
     REQUIRE(tensors[static_cast<std::size_t>(l)].complete());
-    CHECK(lynx::test::same_bits(lynx::merge(tensors[static_cast<std::size_t>(l)]),
-                                lynx::test::quantize_layer<plan>(shape, static_cast<std::uint32_t>(l), seed)));
+    CHECK(lynx::test::same_bits(
+        lynx::merge(tensors[static_cast<std::size_t>(l)]),
+        lynx::test::quantize_layer<plan>(shape, static_cast<std::uint32_t>(l), seed)));
   }
 }
 
-TEST_CASE("tcp, two processes: the sender killed mid-residual is reported as peer_failure within the deadline") {
+TEST_CASE(
+    "tcp, two processes: the sender killed mid-residual is reported as peer_failure within the "
+    "deadline") {
   ::alarm(120);
   constexpr int layers = 6;
   lynx::tcp_listener listener;
@@ -225,12 +246,14 @@ TEST_CASE("tcp, two processes: the sender killed mid-residual is reported as pee
   }
   CHECK(status == lynx::errc::peer_failure);
   CHECK(clock_type::now() < deadline);
-  CHECK(received < 2 * layers);  // the residual was cut short
+  CHECK(received < 2 * layers);                                   // the residual was cut short
   for (const auto& t : tensors) CHECK(t.precision_level() >= 1);  // every anchor had landed
   CHECK(receiver.try_receive(in(1s)).status == lynx::errc::peer_failure);  // and stays failed
 }
 
-TEST_CASE("tcp, two processes: the receiver killed mid-request is reported to the sender's scheduler as peer_failure") {
+TEST_CASE(
+    "tcp, two processes: the receiver killed mid-request is reported to the sender's scheduler as "
+    "peer_failure") {
   ::alarm(120);
   constexpr int layers = 6;
   lynx::tcp_listener listener;  // the sender listens here; the receiver connects
@@ -247,7 +270,9 @@ TEST_CASE("tcp, two processes: the receiver killed mid-request is reported to th
   });
   auto sender = lynx::tcp_sender::accept(listener, in(10s));
   std::vector<lynx::encoded_layer<plan>> encoded;
-  for (int l = 0; l < layers; ++l) encoded.push_back(lynx::test::encode_layer<plan>(shape, static_cast<std::uint32_t>(l), seed, 0));
+  for (int l = 0; l < layers; ++l)
+    encoded.push_back(
+        lynx::test::encode_layer<plan>(shape, static_cast<std::uint32_t>(l), seed, 0));
   lynx::stream_scheduler scheduler(sender, {residual_bytes()});
   for (const auto& e : encoded)
     for (int s = 0; s < plan::streams; ++s) scheduler.submit(e.segment(s));
@@ -268,10 +293,12 @@ TEST_CASE("tcp, two processes: the receiver killed mid-request is reported to th
   CHECK(delivered >= 1);  // acks that came back before the receiver died count
   CHECK(delivered < 2 * layers);
   CHECK(failed >= 1);
-  CHECK(sender.post({encoded[0].segment(0), {0, 0, 0}, lynx::anchor_lane, 0}).status == lynx::errc::peer_failure);
+  CHECK(sender.post({encoded[0].segment(0), {0, 0, 0}, lynx::anchor_lane, 0}).status ==
+        lynx::errc::peer_failure);
 }
 
-TEST_CASE("tcp through a faulty relay: flipped, truncated, duplicated, reordered and stale segments") {
+TEST_CASE(
+    "tcp through a faulty relay: flipped, truncated, duplicated, reordered and stale segments") {
   ::alarm(120);
   constexpr int layers = 6;
   constexpr std::uint64_t generation = 5;
@@ -287,7 +314,8 @@ TEST_CASE("tcp through a faulty relay: flipped, truncated, duplicated, reordered
   lynx::test::child_process sender([relay_port] {
     auto s = lynx::tcp_sender::connect("127.0.0.1", relay_port, in(10s));
     // One stale anchor (generation 4, layer 0) goes first, then the request.
-    return lynx::test::send_request<plan>(s, shape, layers, seed, generation, 2 * residual_bytes(), /*stale_layers=*/1);
+    return lynx::test::send_request<plan>(s, shape, layers, seed, generation, 2 * residual_bytes(),
+                                          /*stale_layers=*/1);
   });
   proxy.start();  // after the fork: the child is forked from a single-threaded process
   auto receiver = lynx::tcp_receiver::accept(listener, in(10s));
@@ -303,7 +331,8 @@ TEST_CASE("tcp through a faulty relay: flipped, truncated, duplicated, reordered
   // Corrupted and truncated segments were still delivered (the transport's job
   // is bytes; the tensor's is validity), so the sender sees every ack.
   CHECK(sender.wait(in(20s)) == 0);
-  CHECK(receiver.try_receive(in(10s)).status == lynx::errc::peer_failure);  // the relay passed the close on
+  CHECK(receiver.try_receive(in(10s)).status ==
+        lynx::errc::peer_failure);  // the relay passed the close on
   proxy.join();
 
   std::map<std::pair<std::uint32_t, int>, std::vector<lynx::errc>> outcome;
@@ -316,20 +345,24 @@ TEST_CASE("tcp through a faulty relay: flipped, truncated, duplicated, reordered
       continue;
     }
     duplicates += a.duplicate;
-    if (a.lane == lynx::anchor_lane && a.accepted != lynx::errc::truncated_segment) anchor_order.push_back(a.id.layer);
+    if (a.lane == lynx::anchor_lane && a.accepted != lynx::errc::truncated_segment)
+      anchor_order.push_back(a.id.layer);
     outcome[{a.id.layer, a.id.stream}].push_back(a.accepted);
   }
   CHECK(stale == 1);
   CHECK(duplicates == 1);
-  CHECK(anchor_order == std::vector<std::uint32_t>{0, 1, 1, 3, 2, 5});  // duplicate of 1, 2 held behind 3, 4 truncated
+  CHECK(anchor_order == std::vector<std::uint32_t>{
+                            0, 1, 1, 3, 2, 5});  // duplicate of 1, 2 held behind 3, 4 truncated
   using lynx::errc;
   CHECK(outcome[{0, 0}] == std::vector{errc::ok});
   CHECK(outcome[{1, 0}] == std::vector{errc::ok, errc::ok});
   CHECK(outcome[{3, 1}] == std::vector{errc::corrupted_segment});
-  CHECK(outcome[{4, 1}] == std::vector{errc::corrupted_segment});  // its header's size field no longer matches
+  CHECK(outcome[{4, 1}] ==
+        std::vector{errc::corrupted_segment});  // its header's size field no longer matches
   // The truncated anchor of layer 4: its header is intact, its payload one byte short.
   int truncated = 0;
-  for (const auto& a : arrivals) truncated += a.accepted == errc::truncated_segment && a.id.layer == 4 && a.id.stream == 0;
+  for (const auto& a : arrivals)
+    truncated += a.accepted == errc::truncated_segment && a.id.layer == 4 && a.id.stream == 0;
   CHECK(truncated == 1);
 
   CHECK(tensors[0].precision_level() == 2);
@@ -342,18 +375,22 @@ TEST_CASE("tcp through a faulty relay: flipped, truncated, duplicated, reordered
   // unchanged: re-sending intact copies completes them, and every layer merges
   // to exactly the sender's codes.
   for (const int l : {3, 4}) {
-    const auto e = lynx::test::encode_layer<plan>(shape, static_cast<std::uint32_t>(l), seed, generation);
+    const auto e =
+        lynx::test::encode_layer<plan>(shape, static_cast<std::uint32_t>(l), seed, generation);
     for (int s = 0; s < 2; ++s) (void)tensors[static_cast<std::size_t>(l)].accept(e.segment(s));
   }
   for (int l = 0; l < layers; ++l) {
     CAPTURE(l);
     REQUIRE(tensors[static_cast<std::size_t>(l)].complete());
-    CHECK(lynx::test::same_bits(lynx::merge(tensors[static_cast<std::size_t>(l)]),
-                                lynx::test::quantize_layer<plan>(shape, static_cast<std::uint32_t>(l), seed)));
+    CHECK(lynx::test::same_bits(
+        lynx::merge(tensors[static_cast<std::size_t>(l)]),
+        lynx::test::quantize_layer<plan>(shape, static_cast<std::uint32_t>(l), seed)));
   }
 }
 
-TEST_CASE("tcp framing errors: an absurd length or a damaged frame header is refused before any allocation") {
+TEST_CASE(
+    "tcp framing errors: an absurd length or a damaged frame header is refused before any "
+    "allocation") {
   ::alarm(60);
   for (const bool damaged_magic : {false, true}) {
     CAPTURE(damaged_magic);
@@ -394,7 +431,9 @@ TEST_CASE("tcp framing errors: an absurd length or a damaged frame header is ref
   CHECK(receiver.try_receive(in(5s)).status == lynx::errc::corrupted_segment);
 }
 
-TEST_CASE("tcp deadlines fire on an idle link; events in order reusable then delivered; lane out of range refused") {
+TEST_CASE(
+    "tcp deadlines fire on an idle link; events in order reusable then delivered; lane out of "
+    "range refused") {
   ::alarm(60);
   lynx::tcp_listener listener;
   auto sender = lynx::tcp_sender::connect("127.0.0.1", listener.port(), in(5s));

@@ -38,7 +38,9 @@ constexpr std::uint32_t seed = 23;
 
 clock_type::time_point in(clock_type::duration d) { return clock_type::now() + d; }
 
-std::size_t residual_bytes() { return lynx::segment_bytes(lynx::make_geometry<plan, 32>(shape), 1); }
+std::size_t residual_bytes() {
+  return lynx::segment_bytes(lynx::make_geometry<plan, 32>(shape), 1);
+}
 
 void use_loopback_tcp() {
   ::setenv("UCX_TLS", "tcp", 1);
@@ -54,10 +56,13 @@ struct port_pipe {
     ::close(fd[0]);
     ::close(fd[1]);
   }
-  void put(std::uint16_t port) const { REQUIRE(::write(fd[1], &port, sizeof port) == static_cast<ssize_t>(sizeof port)); }
+  void put(std::uint16_t port) const {
+    REQUIRE(::write(fd[1], &port, sizeof port) == static_cast<ssize_t>(sizeof port));
+  }
   [[nodiscard]] std::optional<std::uint16_t> get(clock_type::time_point deadline) const {
     pollfd p{fd[0], POLLIN, 0};
-    const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - clock_type::now()).count();
+    const auto ms =
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - clock_type::now()).count();
     std::uint16_t port = 0;
     if (::poll(&p, 1, static_cast<int>(std::max<long long>(ms, 0))) != 1) return std::nullopt;
     if (::read(fd[0], &port, sizeof port) != static_cast<ssize_t>(sizeof port)) return std::nullopt;
@@ -77,7 +82,9 @@ std::unique_ptr<lynx::ucx_receiver> listen_or_skip(std::string& why) {
 
 }  // namespace
 
-TEST_CASE("ucx, two processes: every layer through the scheduler; stale and corrupted segments rejected; merge equals quantize") {
+TEST_CASE(
+    "ucx, two processes: every layer through the scheduler; stale and corrupted segments rejected; "
+    "merge equals quantize") {
   ::alarm(120);
   use_loopback_tcp();
   constexpr int layers = 8;
@@ -88,7 +95,8 @@ TEST_CASE("ucx, two processes: every layer through the scheduler; stale and corr
     if (!port) return 3;
     lynx::ucx_sender s("127.0.0.1", *port, in(10s));
     // First the anchor of layer 0 of the previous generation, then the request.
-    return lynx::test::send_request<plan>(s, shape, layers, seed, generation, 2 * residual_bytes(), /*stale_layers=*/1);
+    return lynx::test::send_request<plan>(s, shape, layers, seed, generation, 2 * residual_bytes(),
+                                          /*stale_layers=*/1);
   });
   std::string why;
   auto receiver = listen_or_skip(why);
@@ -100,7 +108,8 @@ TEST_CASE("ucx, two processes: every layer through the scheduler; stale and corr
   receiver->accept(in(10s));
   CHECK(receiver->lane_count() == 2);
   std::vector<lynx::host_bitplane_tensor<plan>> tensors;
-  for (int l = 0; l < layers; ++l) tensors.emplace_back(shape, static_cast<std::uint32_t>(l), generation);
+  for (int l = 0; l < layers; ++l)
+    tensors.emplace_back(shape, static_cast<std::uint32_t>(l), generation);
   int stale = 0;
   std::vector<std::uint32_t> anchor_order, residual_order;
   for (int i = 0; i < 2 * layers + 1; ++i) {
@@ -135,12 +144,15 @@ TEST_CASE("ucx, two processes: every layer through the scheduler; stale and corr
   for (int l = 0; l < layers; ++l) {
     CAPTURE(l);
     REQUIRE(tensors[static_cast<std::size_t>(l)].complete());
-    CHECK(lynx::test::same_bits(lynx::merge(tensors[static_cast<std::size_t>(l)]),
-                                lynx::test::quantize_layer<plan>(shape, static_cast<std::uint32_t>(l), seed)));
+    CHECK(lynx::test::same_bits(
+        lynx::merge(tensors[static_cast<std::size_t>(l)]),
+        lynx::test::quantize_layer<plan>(shape, static_cast<std::uint32_t>(l), seed)));
   }
 }
 
-TEST_CASE("ucx, two processes: the sender killed mid-residual is reported as peer_failure within the deadline") {
+TEST_CASE(
+    "ucx, two processes: the sender killed mid-residual is reported as peer_failure within the "
+    "deadline") {
   ::alarm(120);
   use_loopback_tcp();
   constexpr int layers = 6;
@@ -185,7 +197,9 @@ TEST_CASE("ucx, two processes: the sender killed mid-residual is reported as pee
   CHECK(received < 2 * layers);
 }
 
-TEST_CASE("ucx, two processes: the receiver killed mid-request is reported to the sender's scheduler as peer_failure") {
+TEST_CASE(
+    "ucx, two processes: the receiver killed mid-request is reported to the sender's scheduler as "
+    "peer_failure") {
   ::alarm(120);
   use_loopback_tcp();
   constexpr int layers = 6;
@@ -206,11 +220,14 @@ TEST_CASE("ucx, two processes: the receiver killed mid-request is reported to th
   });
   const auto port = pipe.get(in(20s));
   if (!port) {
-    std::printf("SKIPPED: the UCX receiver process could not listen on loopback (exit %d)\n", receiver_process.wait(in(5s)));
+    std::printf("SKIPPED: the UCX receiver process could not listen on loopback (exit %d)\n",
+                receiver_process.wait(in(5s)));
     return;
   }
   std::vector<lynx::encoded_layer<plan>> encoded;
-  for (int l = 0; l < layers; ++l) encoded.push_back(lynx::test::encode_layer<plan>(shape, static_cast<std::uint32_t>(l), seed, 0));
+  for (int l = 0; l < layers; ++l)
+    encoded.push_back(
+        lynx::test::encode_layer<plan>(shape, static_cast<std::uint32_t>(l), seed, 0));
   lynx::ucx_sender sender("127.0.0.1", *port, in(10s));
   lynx::stream_scheduler scheduler(sender, {residual_bytes()});
   for (const auto& e : encoded)
@@ -234,7 +251,9 @@ TEST_CASE("ucx, two processes: the receiver killed mid-request is reported to th
 #else
 
 TEST_CASE("ucx transport tests") {
-  std::printf("SKIPPED: built without UCX (needs <ucp/api/ucp.h> and the lynx::ucx target, which defines LYNX_WITH_UCX)\n");
+  std::printf(
+      "SKIPPED: built without UCX (needs <ucp/api/ucp.h> and the lynx::ucx target, which defines "
+      "LYNX_WITH_UCX)\n");
 }
 
 #endif

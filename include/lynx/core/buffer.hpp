@@ -37,7 +37,9 @@ class aligned_buffer {
 
  private:
   struct deleter {
-    void operator()(std::byte* p) const noexcept { ::operator delete[](p, std::align_val_t{alignment}); }
+    void operator()(std::byte* p) const noexcept {
+      ::operator delete[](p, std::align_val_t{alignment});
+    }
   };
   static std::byte* allocate(std::size_t bytes) {
     if (bytes == 0) return nullptr;

@@ -15,12 +15,16 @@ decltype(auto) dispatch(int value, F&& f) {
   if constexpr (std::is_void_v<result>) {
     bool found = false;
     ((value == Values ? (f.template operator()<Values>(), found = true) : false) || ...);
-    if (!found) detail::fail(errc::invalid_argument, "value " + std::to_string(value) + " is not among the compiled choices");
+    if (!found)
+      detail::fail(errc::invalid_argument,
+                   "value " + std::to_string(value) + " is not among the compiled choices");
   } else {
     result out{};
     bool found = false;
     ((value == Values ? (out = f.template operator()<Values>(), found = true) : false) || ...);
-    if (!found) detail::fail(errc::invalid_argument, "value " + std::to_string(value) + " is not among the compiled choices");
+    if (!found)
+      detail::fail(errc::invalid_argument,
+                   "value " + std::to_string(value) + " is not among the compiled choices");
     return out;
   }
 }

@@ -21,32 +21,49 @@ enum class errc : int {
   unsupported_version,  // a wire format this build does not read
   stale_generation,     // a segment of an earlier request
   out_of_memory,
-  transport_failure,    // a transport reported an error
-  timeout,              // a deadline expired
-  peer_failure,         // the remote side died or closed
+  transport_failure,  // a transport reported an error
+  timeout,            // a deadline expired
+  peer_failure,       // the remote side died or closed
   cuda_error,
   internal,
 };
 
 constexpr std::string_view to_string(errc code) noexcept {
   switch (code) {
-    case errc::ok: return "ok";
-    case errc::invalid_argument: return "invalid_argument";
-    case errc::shape_mismatch: return "shape_mismatch";
-    case errc::non_finite_input: return "non_finite_input";
-    case errc::plan_mismatch: return "plan_mismatch";
-    case errc::layer_mismatch: return "layer_mismatch";
-    case errc::truncated_segment: return "truncated_segment";
-    case errc::corrupted_segment: return "corrupted_segment";
-    case errc::bad_magic: return "bad_magic";
-    case errc::unsupported_version: return "unsupported_version";
-    case errc::stale_generation: return "stale_generation";
-    case errc::out_of_memory: return "out_of_memory";
-    case errc::transport_failure: return "transport_failure";
-    case errc::timeout: return "timeout";
-    case errc::peer_failure: return "peer_failure";
-    case errc::cuda_error: return "cuda_error";
-    case errc::internal: return "internal";
+    case errc::ok:
+      return "ok";
+    case errc::invalid_argument:
+      return "invalid_argument";
+    case errc::shape_mismatch:
+      return "shape_mismatch";
+    case errc::non_finite_input:
+      return "non_finite_input";
+    case errc::plan_mismatch:
+      return "plan_mismatch";
+    case errc::layer_mismatch:
+      return "layer_mismatch";
+    case errc::truncated_segment:
+      return "truncated_segment";
+    case errc::corrupted_segment:
+      return "corrupted_segment";
+    case errc::bad_magic:
+      return "bad_magic";
+    case errc::unsupported_version:
+      return "unsupported_version";
+    case errc::stale_generation:
+      return "stale_generation";
+    case errc::out_of_memory:
+      return "out_of_memory";
+    case errc::transport_failure:
+      return "transport_failure";
+    case errc::timeout:
+      return "timeout";
+    case errc::peer_failure:
+      return "peer_failure";
+    case errc::cuda_error:
+      return "cuda_error";
+    case errc::internal:
+      return "internal";
   }
   return "unknown";
 }

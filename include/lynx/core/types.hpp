@@ -61,8 +61,10 @@ LYNX_HOST_DEVICE std::uint16_t float_to_fp16_bits(float x) {
   const std::uint32_t u = float_bits(x);
   const std::uint16_t sign = static_cast<std::uint16_t>((u >> 16) & 0x8000u);
   const std::uint32_t magnitude = u & 0x7fffffffu;
-  if (magnitude > 0x7f800000u) return static_cast<std::uint16_t>(sign | 0x7e00u | ((magnitude >> 13) & 0x3ffu));
-  if (magnitude >= 0x477ff000u) return static_cast<std::uint16_t>(sign | 0x7c00u);  // rounds to >= 65520: inf
+  if (magnitude > 0x7f800000u)
+    return static_cast<std::uint16_t>(sign | 0x7e00u | ((magnitude >> 13) & 0x3ffu));
+  if (magnitude >= 0x477ff000u)
+    return static_cast<std::uint16_t>(sign | 0x7c00u);  // rounds to >= 65520: inf
   if (magnitude < 0x38800000u) {
     // result is subnormal or zero: value / 2^-24 rounded to nearest even
     const std::uint32_t exponent = magnitude >> 23;
@@ -72,7 +74,8 @@ LYNX_HOST_DEVICE std::uint16_t float_to_fp16_bits(float x) {
     const std::uint32_t truncated = mantissa >> shift;
     const std::uint32_t remainder = mantissa & ((1u << shift) - 1u);
     const std::uint32_t halfway = 1u << (shift - 1u);
-    const std::uint32_t rounded = truncated + ((remainder > halfway || (remainder == halfway && (truncated & 1u))) ? 1u : 0u);
+    const std::uint32_t rounded =
+        truncated + ((remainder > halfway || (remainder == halfway && (truncated & 1u))) ? 1u : 0u);
     return static_cast<std::uint16_t>(sign | rounded);
   }
   // normal: rebias exponent, round the 13 dropped mantissa bits to nearest even
@@ -143,16 +146,22 @@ enum class element_kind : std::uint8_t { f32 = 0, bf16 = 1, f16 = 2 };
 
 template <kv_element T>
 constexpr element_kind element_kind_of() {
-  if constexpr (std::is_same_v<T, float>) return element_kind::f32;
-  else if constexpr (std::is_same_v<T, bf16>) return element_kind::bf16;
-  else return element_kind::f16;
+  if constexpr (std::is_same_v<T, float>)
+    return element_kind::f32;
+  else if constexpr (std::is_same_v<T, bf16>)
+    return element_kind::bf16;
+  else
+    return element_kind::f16;
 }
 
 template <kv_element T>
 constexpr const char* element_name() {
-  if constexpr (std::is_same_v<T, float>) return "f32";
-  else if constexpr (std::is_same_v<T, bf16>) return "bf16";
-  else return "f16";
+  if constexpr (std::is_same_v<T, float>)
+    return "f32";
+  else if constexpr (std::is_same_v<T, bf16>)
+    return "bf16";
+  else
+    return "f16";
 }
 
 }  // namespace lynx

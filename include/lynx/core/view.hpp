@@ -1,5 +1,6 @@
 // Strided views over one layer of an engine's K or V cache:
-//   element (token t, kv head h, channel c) lives at data[t*token_stride + h*head_stride + c*channel_stride]
+//   element (token t, kv head h, channel c) lives at data[t*token_stride + h*head_stride +
+//   c*channel_stride]
 // Strides are in elements and arbitrary, so token-major ([tokens, heads, dim])
 // and head-major ([heads, tokens, dim]) caches are both read without a copy.
 #pragma once
@@ -42,15 +43,15 @@ struct kv_view {
   std::int64_t head_stride = 0;     // elements between consecutive kv heads
   std::int64_t channel_stride = 1;  // elements between consecutive channels
 
-  LYNX_HOST_DEVICE T& operator()(std::int64_t token, std::int64_t head, std::int64_t channel) const {
+  LYNX_HOST_DEVICE T& operator()(std::int64_t token, std::int64_t head,
+                                 std::int64_t channel) const {
     return data[token * token_stride + head * head_stride + channel * channel_stride];
   }
   [[nodiscard]] LYNX_HOST_DEVICE bool channels_contiguous() const { return channel_stride == 1; }
 
   /// A view of mutable elements converts to a view of const ones.
   template <class U = T>
-    requires(!std::is_const_v<U>)
-  operator kv_view<const U, Space>() const {
+  requires(!std::is_const_v<U>) operator kv_view<const U, Space>() const {
     return {data, shape, token_stride, head_stride, channel_stride};
   }
 };

@@ -15,11 +15,14 @@ LYNX_HOST_DEVICE std::uint32_t plane_bit(std::uint32_t code, int bits, int plane
 }
 
 /// Token t's bit in a plane word.
-LYNX_HOST_DEVICE std::uint32_t token_bit(std::uint32_t word, int token) { return (word >> token) & 1u; }
+LYNX_HOST_DEVICE std::uint32_t token_bit(std::uint32_t word, int token) {
+  return (word >> token) & 1u;
+}
 
 /// The top-`planes` prefix of token t's code from plane words w[0..planes) (plane 0 first),
 /// where consecutive planes are `plane_stride` words apart.
-LYNX_HOST_DEVICE std::uint32_t prefix_code(const std::uint32_t* words, std::int64_t plane_stride, int planes, int token) {
+LYNX_HOST_DEVICE std::uint32_t prefix_code(const std::uint32_t* words, std::int64_t plane_stride,
+                                           int planes, int token) {
   std::uint32_t c = 0;
   for (int j = 0; j < planes; ++j) c = (c << 1) | token_bit(words[j * plane_stride], token);
   return c;

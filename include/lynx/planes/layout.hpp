@@ -29,23 +29,38 @@ namespace lynx {
 inline constexpr int tokens_per_word = 32;  // tokens of one plane word
 inline constexpr std::int64_t section_alignment = 64;
 
-LYNX_HOST_DEVICE constexpr std::int64_t align_up(std::int64_t n, std::int64_t a) { return (n + a - 1) / a * a; }
-LYNX_HOST_DEVICE constexpr std::int64_t ceil_div(std::int64_t n, std::int64_t d) { return (n + d - 1) / d; }
+LYNX_HOST_DEVICE constexpr std::int64_t align_up(std::int64_t n, std::int64_t a) {
+  return (n + a - 1) / a * a;
+}
+LYNX_HOST_DEVICE constexpr std::int64_t ceil_div(std::int64_t n, std::int64_t d) {
+  return (n + d - 1) / d;
+}
 
 /// Everything needed to find a byte of a layer's segments.
 struct layer_geometry {
   plan_desc plan{};
-  std::int32_t key_group = 32;    // tokens per key group (keys: per channel over key_group tokens)
-  std::int32_t value_group = 32;  // channels per value group (values: per token over value_group channels)
+  std::int32_t key_group = 32;  // tokens per key group (keys: per channel over key_group tokens)
+  std::int32_t value_group =
+      32;  // channels per value group (values: per token over value_group channels)
   std::int64_t tokens = 0;
   std::int64_t kv_heads = 0;
   std::int64_t head_dim = 0;
 
-  LYNX_HOST_DEVICE constexpr std::int64_t blocks() const { return ceil_div(tokens, tokens_per_word); }
-  LYNX_HOST_DEVICE constexpr std::int64_t key_token_groups() const { return ceil_div(tokens, key_group); }
-  LYNX_HOST_DEVICE constexpr std::int64_t value_channel_groups() const { return head_dim / value_group; }
-  LYNX_HOST_DEVICE constexpr std::int64_t key_params() const { return kv_heads * key_token_groups() * head_dim; }
-  LYNX_HOST_DEVICE constexpr std::int64_t value_params() const { return kv_heads * tokens * value_channel_groups(); }
+  LYNX_HOST_DEVICE constexpr std::int64_t blocks() const {
+    return ceil_div(tokens, tokens_per_word);
+  }
+  LYNX_HOST_DEVICE constexpr std::int64_t key_token_groups() const {
+    return ceil_div(tokens, key_group);
+  }
+  LYNX_HOST_DEVICE constexpr std::int64_t value_channel_groups() const {
+    return head_dim / value_group;
+  }
+  LYNX_HOST_DEVICE constexpr std::int64_t key_params() const {
+    return kv_heads * key_token_groups() * head_dim;
+  }
+  LYNX_HOST_DEVICE constexpr std::int64_t value_params() const {
+    return kv_heads * tokens * value_channel_groups();
+  }
   LYNX_HOST_DEVICE constexpr int planes_in(int stream) const { return plan.width(stream); }
   /// uint32 words of one tensor (K or V) in stream s.
   LYNX_HOST_DEVICE constexpr std::int64_t plane_words(int stream) const {
@@ -54,8 +69,12 @@ struct layer_geometry {
 
   // Byte offsets inside the payload of stream 0 (the anchor).
   LYNX_HOST_DEVICE constexpr std::int64_t key_scale_offset() const { return 0; }
-  LYNX_HOST_DEVICE constexpr std::int64_t key_zero_offset() const { return align_up(key_params() * 4, section_alignment); }
-  LYNX_HOST_DEVICE constexpr std::int64_t value_scale_offset() const { return 2 * align_up(key_params() * 4, section_alignment); }
+  LYNX_HOST_DEVICE constexpr std::int64_t key_zero_offset() const {
+    return align_up(key_params() * 4, section_alignment);
+  }
+  LYNX_HOST_DEVICE constexpr std::int64_t value_scale_offset() const {
+    return 2 * align_up(key_params() * 4, section_alignment);
+  }
   LYNX_HOST_DEVICE constexpr std::int64_t value_zero_offset() const {
     return value_scale_offset() + align_up(value_params() * 4, section_alignment);
   }
@@ -63,7 +82,9 @@ struct layer_geometry {
     return value_scale_offset() + 2 * align_up(value_params() * 4, section_alignment);
   }
   /// Byte offsets of the plane sections inside the payload of stream s.
-  LYNX_HOST_DEVICE constexpr std::int64_t key_planes_offset(int stream) const { return stream == 0 ? params_bytes() : 0; }
+  LYNX_HOST_DEVICE constexpr std::int64_t key_planes_offset(int stream) const {
+    return stream == 0 ? params_bytes() : 0;
+  }
   LYNX_HOST_DEVICE constexpr std::int64_t value_planes_offset(int stream) const {
     return key_planes_offset(stream) + align_up(plane_words(stream) * 4, section_alignment);
   }
@@ -71,16 +92,19 @@ struct layer_geometry {
     return value_planes_offset(stream) + align_up(plane_words(stream) * 4, section_alignment);
   }
   /// Word index, inside a plane section of stream s, of (head, block, local plane, channel).
-  LYNX_HOST_DEVICE constexpr std::int64_t word_index(int stream, std::int64_t head, std::int64_t block, int local_plane,
+  LYNX_HOST_DEVICE constexpr std::int64_t word_index(int stream, std::int64_t head,
+                                                     std::int64_t block, int local_plane,
                                                      std::int64_t channel) const {
     return ((head * blocks() + block) * planes_in(stream) + local_plane) * head_dim + channel;
   }
   /// Index of (head, token group, channel) among the key parameters.
-  LYNX_HOST_DEVICE constexpr std::int64_t key_param_index(std::int64_t head, std::int64_t token, std::int64_t channel) const {
+  LYNX_HOST_DEVICE constexpr std::int64_t key_param_index(std::int64_t head, std::int64_t token,
+                                                          std::int64_t channel) const {
     return (head * key_token_groups() + token / key_group) * head_dim + channel;
   }
   /// Index of (head, token, channel group) among the value parameters.
-  LYNX_HOST_DEVICE constexpr std::int64_t value_param_index(std::int64_t head, std::int64_t token, std::int64_t channel) const {
+  LYNX_HOST_DEVICE constexpr std::int64_t value_param_index(std::int64_t head, std::int64_t token,
+                                                            std::int64_t channel) const {
     return (head * tokens + token) * value_channel_groups() + channel / value_group;
   }
   LYNX_HOST_DEVICE constexpr kv_shape shape() const { return {tokens, kv_heads, head_dim}; }
@@ -93,16 +117,20 @@ struct layer_geometry {
 template <stream_plan_type Plan, int G>
 layer_geometry make_geometry(kv_shape shape) {
   static_assert(G >= 1 && G <= 1024, "group size G must be in [1, 1024]");
-  detail::require(shape.tokens >= 1 && shape.kv_heads >= 1 && shape.head_dim >= 1, errc::shape_mismatch,
-                  "a layer needs at least one token, one kv head and one channel, got " + to_string(shape));
-  detail::require(shape.tokens <= (std::int64_t{1} << 31) && shape.kv_heads <= 65535 && shape.head_dim <= 65535,
-                  errc::shape_mismatch, "layer shape " + to_string(shape) + " exceeds the wire format's limits");
+  detail::require(
+      shape.tokens >= 1 && shape.kv_heads >= 1 && shape.head_dim >= 1, errc::shape_mismatch,
+      "a layer needs at least one token, one kv head and one channel, got " + to_string(shape));
+  detail::require(
+      shape.tokens <= (std::int64_t{1} << 31) && shape.kv_heads <= 65535 && shape.head_dim <= 65535,
+      errc::shape_mismatch,
+      "layer shape " + to_string(shape) + " exceeds the wire format's limits");
   layer_geometry g;
   g.plan = plan_desc::of<Plan>();
   g.key_group = G;
   g.value_group = static_cast<std::int32_t>(G < shape.head_dim ? G : shape.head_dim);
   detail::require(shape.head_dim % g.value_group == 0, errc::shape_mismatch,
-                  "head_dim " + std::to_string(shape.head_dim) + " is not a multiple of the value group size " +
+                  "head_dim " + std::to_string(shape.head_dim) +
+                      " is not a multiple of the value group size " +
                       std::to_string(g.value_group));
   g.tokens = shape.tokens;
   g.kv_heads = shape.kv_heads;

@@ -21,7 +21,8 @@
 
 namespace lynx {
 
-static_assert(std::endian::native == std::endian::little, "Lynx's wire format is little-endian; big-endian hosts are not supported");
+static_assert(std::endian::native == std::endian::little,
+              "Lynx's wire format is little-endian; big-endian hosts are not supported");
 
 inline constexpr std::uint32_t segment_magic = 0x584e594cu;  // "LYNX" in memory order
 inline constexpr std::uint16_t segment_version = 1;
@@ -33,20 +34,21 @@ struct segment_header {
   std::uint16_t version = segment_version;
   std::uint16_t header_bytes = 128;
   std::uint32_t layer = 0;
-  std::uint8_t stream = 0;        // 0 = anchor
-  std::uint8_t streams = 0;       // streams in the plan
-  std::uint8_t bits = 0;          // code width B
+  std::uint8_t stream = 0;   // 0 = anchor
+  std::uint8_t streams = 0;  // streams in the plan
+  std::uint8_t bits = 0;     // code width B
   std::uint8_t layout = layout_planes_along_tokens;
   std::uint8_t widths[max_streams] = {};  // planes per stream
-  std::uint16_t key_group = 0;    // tokens per key group
-  std::uint16_t value_group = 0;  // channels per value group
+  std::uint16_t key_group = 0;            // tokens per key group
+  std::uint16_t value_group = 0;          // channels per value group
   std::uint16_t kv_heads = 0;
   std::uint16_t head_dim = 0;
   std::uint32_t tokens = 0;
   std::uint32_t reserved0 = 0;
-  std::uint64_t generation = 0;   // request generation: a late segment of an old request is recognised
+  std::uint64_t generation =
+      0;  // request generation: a late segment of an old request is recognised
   std::uint64_t payload_bytes = 0;
-  std::uint64_t checksum = 0;     // XXH3-64(payload, seed = XXH3-64(header with checksum = 0))
+  std::uint64_t checksum = 0;  // XXH3-64(payload, seed = XXH3-64(header with checksum = 0))
   std::uint8_t reserved[64] = {};
 };
 static_assert(sizeof(segment_header) == 128, "segment_header must be 128 bytes");
@@ -62,8 +64,8 @@ struct segment_id {
 };
 
 inline std::string describe(const segment_id& id) {
-  return "layer " + std::to_string(id.layer) + " stream " + std::to_string(id.stream) + " generation " +
-         std::to_string(id.generation);
+  return "layer " + std::to_string(id.layer) + " stream " + std::to_string(id.stream) +
+         " generation " + std::to_string(id.generation);
 }
 
 /// Total bytes of the segment of stream s (header + payload).
@@ -71,7 +73,8 @@ inline std::size_t segment_bytes(const layer_geometry& g, int stream) {
   return segment_header_bytes + static_cast<std::size_t>(g.payload_bytes(stream));
 }
 
-inline segment_header make_header(const layer_geometry& g, std::uint32_t layer, int stream, std::uint64_t generation) {
+inline segment_header make_header(const layer_geometry& g, std::uint32_t layer, int stream,
+                                  std::uint64_t generation) {
   segment_header h;
   h.layer = layer;
   h.stream = static_cast<std::uint8_t>(stream);
@@ -89,7 +92,8 @@ inline segment_header make_header(const layer_geometry& g, std::uint32_t layer, 
 }
 
 /// The checksum of a segment whose header (any checksum value) and payload are given.
-inline std::uint64_t segment_checksum(const segment_header& header, std::span<const std::byte> payload) {
+inline std::uint64_t segment_checksum(const segment_header& header,
+                                      std::span<const std::byte> payload) {
   segment_header h = header;
   h.checksum = 0;
   const std::uint64_t seed = XXH3_64bits(&h, sizeof h);
@@ -99,7 +103,8 @@ inline std::uint64_t segment_checksum(const segment_header& header, std::span<co
 /// Writes the checksum into the header at the front of `segment` (header + payload).
 /// Call after the payload is final; until then the segment does not validate.
 inline void seal_segment(std::span<std::byte> segment) {
-  detail::require(segment.size() >= segment_header_bytes, errc::truncated_segment, "seal_segment: buffer shorter than a header");
+  detail::require(segment.size() >= segment_header_bytes, errc::truncated_segment,
+                  "seal_segment: buffer shorter than a header");
   segment_header h;
   std::memcpy(&h, segment.data(), sizeof h);
   h.checksum = segment_checksum(h, segment.subspan(segment_header_bytes));
@@ -118,45 +123,64 @@ inline segment_header peek_header(std::span<const std::byte> segment) {
 
 /// Full validation of a segment against the geometry the receiver expects.
 /// Throws lynx::error saying what is wrong and where; returns the header.
-inline segment_header validate_segment(std::span<const std::byte> segment, const layer_geometry& expected,
+inline segment_header validate_segment(std::span<const std::byte> segment,
+                                       const layer_geometry& expected,
                                        std::uint32_t expected_layer) {
   const segment_header h = peek_header(segment);
-  if (h.magic != segment_magic) detail::fail(errc::bad_magic, "not a Lynx segment (magic mismatch)");
+  if (h.magic != segment_magic)
+    detail::fail(errc::bad_magic, "not a Lynx segment (magic mismatch)");
   if (h.version != segment_version || h.header_bytes != segment_header_bytes)
-    detail::fail(errc::unsupported_version, "segment format version " + std::to_string(h.version) + " (this build reads version " +
+    detail::fail(errc::unsupported_version, "segment format version " + std::to_string(h.version) +
+                                                " (this build reads version " +
                                                 std::to_string(segment_version) + ")");
-  const std::string where = "segment of layer " + std::to_string(h.layer) + " stream " + std::to_string(h.stream);
-  if (h.layout != layout_planes_along_tokens) detail::fail(errc::unsupported_version, where + ": unknown plane layout " + std::to_string(h.layout));
+  const std::string where =
+      "segment of layer " + std::to_string(h.layer) + " stream " + std::to_string(h.stream);
+  if (h.layout != layout_planes_along_tokens)
+    detail::fail(errc::unsupported_version,
+                 where + ": unknown plane layout " + std::to_string(h.layout));
   if (h.layer != expected_layer)
-    detail::fail(errc::layer_mismatch, where + " delivered to the tensor of layer " + std::to_string(expected_layer));
+    detail::fail(errc::layer_mismatch,
+                 where + " delivered to the tensor of layer " + std::to_string(expected_layer));
   plan_desc plan;
   plan.bits = h.bits;
   plan.streams = h.streams;
   for (int i = 0; i < max_streams; ++i) plan.widths[static_cast<std::size_t>(i)] = h.widths[i];
   if (!(plan == expected.plan))
-    detail::fail(errc::plan_mismatch, where + " has stream plan '" + plan.name() + "', the tensor expects '" + expected.plan.name() + "'");
+    detail::fail(errc::plan_mismatch, where + " has stream plan '" + plan.name() +
+                                          "', the tensor expects '" + expected.plan.name() + "'");
   if (h.key_group != expected.key_group || h.value_group != expected.value_group)
-    detail::fail(errc::plan_mismatch, where + " has group sizes key " + std::to_string(h.key_group) + " / value " +
-                                          std::to_string(h.value_group) + ", the tensor expects " + std::to_string(expected.key_group) +
-                                          " / " + std::to_string(expected.value_group));
-  if (h.tokens != expected.tokens || h.kv_heads != expected.kv_heads || h.head_dim != expected.head_dim)
-    detail::fail(errc::shape_mismatch, where + " has shape [tokens=" + std::to_string(h.tokens) + ", kv_heads=" +
-                                           std::to_string(h.kv_heads) + ", head_dim=" + std::to_string(h.head_dim) +
+    detail::fail(errc::plan_mismatch, where + " has group sizes key " +
+                                          std::to_string(h.key_group) + " / value " +
+                                          std::to_string(h.value_group) + ", the tensor expects " +
+                                          std::to_string(expected.key_group) + " / " +
+                                          std::to_string(expected.value_group));
+  if (h.tokens != expected.tokens || h.kv_heads != expected.kv_heads ||
+      h.head_dim != expected.head_dim)
+    detail::fail(errc::shape_mismatch, where + " has shape [tokens=" + std::to_string(h.tokens) +
+                                           ", kv_heads=" + std::to_string(h.kv_heads) +
+                                           ", head_dim=" + std::to_string(h.head_dim) +
                                            "], the tensor expects " + to_string(expected.shape()));
   if (h.stream >= expected.plan.streams)
-    detail::fail(errc::corrupted_segment, where + ": stream index out of range for plan '" + expected.plan.name() + "'");
+    detail::fail(errc::corrupted_segment,
+                 where + ": stream index out of range for plan '" + expected.plan.name() + "'");
   const auto want = static_cast<std::uint64_t>(expected.payload_bytes(h.stream));
   if (h.payload_bytes != want)
-    detail::fail(errc::corrupted_segment, where + " announces " + std::to_string(h.payload_bytes) + " payload bytes, the geometry needs " +
+    detail::fail(errc::corrupted_segment, where + " announces " + std::to_string(h.payload_bytes) +
+                                              " payload bytes, the geometry needs " +
                                               std::to_string(want));
   if (segment.size() < segment_header_bytes + want)
-    detail::fail(errc::truncated_segment, where + " is truncated: " + std::to_string(segment.size() - segment_header_bytes) + " of " +
-                                              std::to_string(want) + " payload bytes");
+    detail::fail(errc::truncated_segment,
+                 where + " is truncated: " + std::to_string(segment.size() - segment_header_bytes) +
+                     " of " + std::to_string(want) + " payload bytes");
   if (segment.size() > segment_header_bytes + want)
-    detail::fail(errc::corrupted_segment, where + " has " + std::to_string(segment.size() - segment_header_bytes - want) +
-                                              " bytes past its payload");
-  const std::uint64_t sum = segment_checksum(h, segment.subspan(segment_header_bytes, static_cast<std::size_t>(want)));
-  if (sum != h.checksum) detail::fail(errc::corrupted_segment, where + ": checksum mismatch (payload or header corrupted in transit)");
+    detail::fail(errc::corrupted_segment,
+                 where + " has " + std::to_string(segment.size() - segment_header_bytes - want) +
+                     " bytes past its payload");
+  const std::uint64_t sum =
+      segment_checksum(h, segment.subspan(segment_header_bytes, static_cast<std::size_t>(want)));
+  if (sum != h.checksum)
+    detail::fail(errc::corrupted_segment,
+                 where + ": checksum mismatch (payload or header corrupted in transit)");
   return h;
 }
 

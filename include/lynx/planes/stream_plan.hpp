@@ -17,10 +17,13 @@ inline constexpr int max_streams = 8;
 
 template <int Bits, int... Widths>
 struct stream_plan {
-  static_assert(Bits == 8 || Bits == 12 || Bits == 16, "stream_plan: code width must be 8, 12 or 16 bits");
-  static_assert(sizeof...(Widths) >= 1 && sizeof...(Widths) <= max_streams, "stream_plan: 1 to 8 streams");
+  static_assert(Bits == 8 || Bits == 12 || Bits == 16,
+                "stream_plan: code width must be 8, 12 or 16 bits");
+  static_assert(sizeof...(Widths) >= 1 && sizeof...(Widths) <= max_streams,
+                "stream_plan: 1 to 8 streams");
   static_assert(((Widths > 0) && ...), "stream_plan: every stream carries at least one plane");
-  static_assert((Widths + ... + 0) == Bits, "stream_plan: the stream widths must add up to the code width");
+  static_assert((Widths + ... + 0) == Bits,
+                "stream_plan: the stream widths must add up to the code width");
 
   using plan_tag = void;  // opt-in tag checked by the concept below
   static constexpr int bits = Bits;
@@ -38,7 +41,8 @@ struct stream_plan {
 
   static std::string name() {
     std::string n = std::to_string(Bits) + " =";
-    for (int i = 0; i < streams; ++i) n += (i ? " + " : " ") + std::to_string(widths[static_cast<std::size_t>(i)]);
+    for (int i = 0; i < streams; ++i)
+      n += (i ? " + " : " ") + std::to_string(widths[static_cast<std::size_t>(i)]);
     return n;
   }
 };
@@ -52,11 +56,11 @@ concept stream_plan_type = requires {
 };
 
 /// The plans of the paper and beyond.
-using plan_8_4_4 = stream_plan<8, 4, 4>;        // the paper's
-using plan_8_2_2_4 = stream_plan<8, 2, 2, 4>;   // progressive 8-bit
-using plan_8_8 = stream_plan<8, 8>;             // blocking 8-bit (one stream)
-using plan_16_4_12 = stream_plan<16, 4, 12>;    // exact-to-bf16 mode
-using plan_16_4_4_8 = stream_plan<16, 4, 4, 8>; // progressive exact-to-bf16
+using plan_8_4_4 = stream_plan<8, 4, 4>;         // the paper's
+using plan_8_2_2_4 = stream_plan<8, 2, 2, 4>;    // progressive 8-bit
+using plan_8_8 = stream_plan<8, 8>;              // blocking 8-bit (one stream)
+using plan_16_4_12 = stream_plan<16, 4, 12>;     // exact-to-bf16 mode
+using plan_16_4_4_8 = stream_plan<16, 4, 4, 8>;  // progressive exact-to-bf16
 using plan_12_4_8 = stream_plan<12, 4, 8>;
 
 /// Runtime description of a plan, as it travels in the segment header.
@@ -70,7 +74,9 @@ struct plan_desc {
     plan_desc d;
     d.bits = P::bits;
     d.streams = P::streams;
-    for (int i = 0; i < P::streams; ++i) d.widths[static_cast<std::size_t>(i)] = static_cast<std::uint8_t>(P::widths[static_cast<std::size_t>(i)]);
+    for (int i = 0; i < P::streams; ++i)
+      d.widths[static_cast<std::size_t>(i)] =
+          static_cast<std::uint8_t>(P::widths[static_cast<std::size_t>(i)]);
     return d;
   }
   LYNX_HOST_DEVICE constexpr int plane_begin(int s) const {
@@ -85,8 +91,10 @@ struct plan_desc {
     // A descriptor read from a corrupted header may claim more than max_streams
     // streams: name only the widths there are, never read past the array.
     std::string n = std::to_string(bits) + " =";
-    for (int i = 0; i < streams && i < max_streams; ++i) n += (i ? " + " : " ") + std::to_string(widths[static_cast<std::size_t>(i)]);
-    if (streams > max_streams) n += " (+ " + std::to_string(streams - max_streams) + " more streams)";
+    for (int i = 0; i < streams && i < max_streams; ++i)
+      n += (i ? " + " : " ") + std::to_string(widths[static_cast<std::size_t>(i)]);
+    if (streams > max_streams)
+      n += " (+ " + std::to_string(streams - max_streams) + " more streams)";
     return n;
   }
 };

@@ -34,14 +34,23 @@ struct bitplane_view {
   layer_geometry geometry{};
   std::uint32_t layer = 0;
   int level = 0;  // streams present as a prefix: 0 (nothing usable) .. Plan::streams
-  std::array<const std::byte*, max_streams> payload{};  // [stream] -> payload bytes (nullptr when absent)
+  std::array<const std::byte*, max_streams>
+      payload{};  // [stream] -> payload bytes (nullptr when absent)
 
   /// Planes present: the precision this view reconstructs at.
   LYNX_HOST_DEVICE int planes() const { return geometry.plan.plane_begin(level); }
-  LYNX_HOST_DEVICE const float* key_scale() const { return reinterpret_cast<const float*>(payload[0] + geometry.key_scale_offset()); }
-  LYNX_HOST_DEVICE const float* key_zero() const { return reinterpret_cast<const float*>(payload[0] + geometry.key_zero_offset()); }
-  LYNX_HOST_DEVICE const float* value_scale() const { return reinterpret_cast<const float*>(payload[0] + geometry.value_scale_offset()); }
-  LYNX_HOST_DEVICE const float* value_zero() const { return reinterpret_cast<const float*>(payload[0] + geometry.value_zero_offset()); }
+  LYNX_HOST_DEVICE const float* key_scale() const {
+    return reinterpret_cast<const float*>(payload[0] + geometry.key_scale_offset());
+  }
+  LYNX_HOST_DEVICE const float* key_zero() const {
+    return reinterpret_cast<const float*>(payload[0] + geometry.key_zero_offset());
+  }
+  LYNX_HOST_DEVICE const float* value_scale() const {
+    return reinterpret_cast<const float*>(payload[0] + geometry.value_scale_offset());
+  }
+  LYNX_HOST_DEVICE const float* value_zero() const {
+    return reinterpret_cast<const float*>(payload[0] + geometry.value_zero_offset());
+  }
   /// Key plane words of stream s: [kv_heads][blocks][planes of s][head_dim].
   LYNX_HOST_DEVICE const std::uint32_t* key_planes(int s) const {
     return reinterpret_cast<const std::uint32_t*>(payload[s] + geometry.key_planes_offset(s));
@@ -52,7 +61,8 @@ struct bitplane_view {
   /// The same view at a lower precision level (at most the current one).
   bitplane_view at_level(int l) const {
     detail::require(l >= 1 && l <= level, errc::invalid_argument,
-                    "precision level " + std::to_string(l) + " requested, the tensor has " + std::to_string(level) + " stream(s)");
+                    "precision level " + std::to_string(l) + " requested, the tensor has " +
+                        std::to_string(level) + " stream(s)");
     bitplane_view v = *this;
     v.level = l;
     return v;
@@ -85,8 +95,12 @@ class stream_ledger {
     while (l < Plan::streams && present_[static_cast<std::size_t>(l)]) ++l;
     return l;
   }
-  [[nodiscard]] int planes_present() const noexcept { return Plan::planes_at_level(precision_level()); }
-  [[nodiscard]] bool has_stream(int s) const noexcept { return s >= 0 && s < Plan::streams && present_[static_cast<std::size_t>(s)]; }
+  [[nodiscard]] int planes_present() const noexcept {
+    return Plan::planes_at_level(precision_level());
+  }
+  [[nodiscard]] bool has_stream(int s) const noexcept {
+    return s >= 0 && s < Plan::streams && present_[static_cast<std::size_t>(s)];
+  }
   [[nodiscard]] bool complete() const noexcept { return precision_level() == Plan::streams; }
   [[nodiscard]] const layer_geometry& geometry() const noexcept { return geometry_; }
   [[nodiscard]] kv_shape shape() const noexcept { return geometry_.shape(); }
@@ -113,13 +127,17 @@ class stream_ledger {
   [[nodiscard]] admission admit(std::span<const std::byte> segment) const {
     const segment_header h = validate_segment(segment, geometry_, layer_);
     if (h.generation != generation_)
-      detail::fail(errc::stale_generation, "segment of layer " + std::to_string(h.layer) + " stream " + std::to_string(h.stream) +
-                                               " belongs to generation " + std::to_string(h.generation) + ", the tensor is generation " +
-                                               std::to_string(generation_));
+      detail::fail(errc::stale_generation,
+                   "segment of layer " + std::to_string(h.layer) + " stream " +
+                       std::to_string(h.stream) + " belongs to generation " +
+                       std::to_string(h.generation) + ", the tensor is generation " +
+                       std::to_string(generation_));
     const auto s = static_cast<std::size_t>(h.stream);
     if (present_[s] && checksum_[s] != h.checksum)
-      detail::fail(errc::corrupted_segment, "segment of layer " + std::to_string(h.layer) + " stream " + std::to_string(h.stream) +
-                                                " differs from the copy already received (a sender re-encoded the layer?)");
+      detail::fail(errc::corrupted_segment,
+                   "segment of layer " + std::to_string(h.layer) + " stream " +
+                       std::to_string(h.stream) +
+                       " differs from the copy already received (a sender re-encoded the layer?)");
     return {s, h.checksum, present_[s]};
   }
   /// Marks a stream present once its payload is stored.
@@ -132,14 +150,16 @@ class stream_ledger {
   template <memory_space Space, class PayloadOf>
   [[nodiscard]] bitplane_view<Plan, G, Space> make_view(int level, PayloadOf payload_of) const {
     detail::require(level >= 0 && level <= precision_level(), errc::invalid_argument,
-                    "precision level " + std::to_string(level) + " requested for layer " + std::to_string(layer_) + ", which has " +
+                    "precision level " + std::to_string(level) + " requested for layer " +
+                        std::to_string(layer_) + ", which has " +
                         std::to_string(precision_level()) + " stream(s)");
     bitplane_view<Plan, G, Space> v;
     v.geometry = geometry_;
     v.layer = layer_;
     v.level = level;
     for (int s = 0; s < Plan::streams; ++s)
-      v.payload[static_cast<std::size_t>(s)] = present_[static_cast<std::size_t>(s)] ? payload_of(s) : nullptr;
+      v.payload[static_cast<std::size_t>(s)] =
+          present_[static_cast<std::size_t>(s)] ? payload_of(s) : nullptr;
     return v;
   }
 
@@ -164,9 +184,11 @@ class bitplane_tensor<Plan, G, host_space> : public detail::stream_ledger<Plan, 
   using view_type = bitplane_view<Plan, G, host_space>;
   static constexpr int group_size = G;
 
-  bitplane_tensor(kv_shape shape, std::uint32_t layer, std::uint64_t generation = 0) : ledger(shape, layer, generation) {
+  bitplane_tensor(kv_shape shape, std::uint32_t layer, std::uint64_t generation = 0)
+      : ledger(shape, layer, generation) {
     for (int s = 0; s < Plan::streams; ++s)
-      storage_[static_cast<std::size_t>(s)] = aligned_buffer(static_cast<std::size_t>(this->geometry().payload_bytes(s)));
+      storage_[static_cast<std::size_t>(s)] =
+          aligned_buffer(static_cast<std::size_t>(this->geometry().payload_bytes(s)));
   }
 
   /// Validates and stores a segment (header + payload). On any error the tensor
@@ -174,7 +196,8 @@ class bitplane_tensor<Plan, G, host_space> : public detail::stream_ledger<Plan, 
   accept_result accept(std::span<const std::byte> segment) {
     const auto a = this->admit(segment);
     if (a.duplicate) return accept_result::duplicate;
-    std::memcpy(storage_[a.stream].data(), segment.data() + segment_header_bytes, storage_[a.stream].size());
+    std::memcpy(storage_[a.stream].data(), segment.data() + segment_header_bytes,
+                storage_[a.stream].size());
     this->record(a);
     return accept_result::accepted;
   }
@@ -182,7 +205,9 @@ class bitplane_tensor<Plan, G, host_space> : public detail::stream_ledger<Plan, 
   /// View at the current precision level (or a lower one).
   [[nodiscard]] view_type view() const { return view_at(this->precision_level()); }
   [[nodiscard]] view_type view_at(int level) const {
-    return this->template make_view<host_space>(level, [&](int s) -> const std::byte* { return storage_[static_cast<std::size_t>(s)].data(); });
+    return this->template make_view<host_space>(level, [&](int s) -> const std::byte* {
+      return storage_[static_cast<std::size_t>(s)].data();
+    });
   }
 
  private:

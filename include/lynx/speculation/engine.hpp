@@ -20,8 +20,9 @@ namespace lynx {
 /// For exactness, forward over k tokens must give bitwise the logits of k
 /// one-token forwards (batch-invariant kernels).
 template <class E>
-concept decode_engine = requires(E& e, const E& ce, std::span<const std::int32_t> tokens, std::int64_t position, int level,
-                                 std::span<float> logits, std::int64_t n) {
+concept decode_engine = requires(E& e, const E& ce, std::span<const std::int32_t> tokens,
+                                 std::int64_t position, int level, std::span<float> logits,
+                                 std::int64_t n) {
   { ce.vocab_size() } -> std::convertible_to<std::int64_t>;
   e.forward(tokens, position, level, logits);
   e.drop_tail(n);

@@ -55,25 +55,30 @@ enum class failure_policy : std::uint8_t {
 
 constexpr std::string_view to_string(failure_policy p) noexcept {
   switch (p) {
-    case failure_policy::fail_request: return "fail_request";
-    case failure_policy::continue_unverified: return "continue_unverified";
-    case failure_policy::rerequest: return "rerequest";
+    case failure_policy::fail_request:
+      return "fail_request";
+    case failure_policy::continue_unverified:
+      return "continue_unverified";
+    case failure_policy::rerequest:
+      return "rerequest";
   }
   return "unknown";
 }
 
 /// The policy named by its to_string text; errc::invalid_argument otherwise.
 inline failure_policy parse_failure_policy(std::string_view text) {
-  for (const auto p : {failure_policy::fail_request, failure_policy::continue_unverified, failure_policy::rerequest})
+  for (const auto p : {failure_policy::fail_request, failure_policy::continue_unverified,
+                       failure_policy::rerequest})
     if (text == to_string(p)) return p;
-  detail::fail(errc::invalid_argument,
-               "unknown failure policy '" + std::string(text) + "' (fail_request, continue_unverified or rerequest)");
+  detail::fail(errc::invalid_argument, "unknown failure policy '" + std::string(text) +
+                                           "' (fail_request, continue_unverified or rerequest)");
 }
 
 /// Deadlines of one request (see the top of this header for what each measures).
 struct request_deadlines {
-  std::chrono::milliseconds anchor{10'000};    // request start -> every anchor landed
-  std::chrono::milliseconds residual{10'000};  // every anchor landed (or a resend asked) -> every stream landed
+  std::chrono::milliseconds anchor{10'000};  // request start -> every anchor landed
+  std::chrono::milliseconds residual{
+      10'000};  // every anchor landed (or a resend asked) -> every stream landed
   std::chrono::milliseconds request{120'000};  // request start -> last token committed
 };
 
@@ -95,10 +100,14 @@ enum class request_outcome : std::uint8_t {
 
 constexpr std::string_view to_string(request_outcome o) noexcept {
   switch (o) {
-    case request_outcome::pending: return "pending";
-    case request_outcome::completed: return "completed";
-    case request_outcome::completed_unverified: return "completed_unverified";
-    case request_outcome::failed: return "failed";
+    case request_outcome::pending:
+      return "pending";
+    case request_outcome::completed:
+      return "completed";
+    case request_outcome::completed_unverified:
+      return "completed_unverified";
+    case request_outcome::failed:
+      return "failed";
   }
   return "unknown";
 }
@@ -128,18 +137,21 @@ inline std::vector<segment_id> parse_segment_list(std::string_view text, std::ui
     const auto comma = text.find(',');
     const std::string_view item = text.substr(0, comma);
     const auto colon = item.find(':');
-    detail::require(colon != std::string_view::npos && colon > 0 && colon + 1 < item.size(), errc::invalid_argument,
+    detail::require(colon != std::string_view::npos && colon > 0 && colon + 1 < item.size(),
+                    errc::invalid_argument,
                     "segment list: '" + std::string(item) + "' is not layer:stream");
     try {
       const std::string layer(item.substr(0, colon)), stream(item.substr(colon + 1));
       std::size_t used_layer = 0, used_stream = 0;
       const unsigned long l = std::stoul(layer, &used_layer);
       const int s = std::stoi(stream, &used_stream);
-      detail::require(used_layer == layer.size() && used_stream == stream.size() && s >= 0, errc::invalid_argument,
+      detail::require(used_layer == layer.size() && used_stream == stream.size() && s >= 0,
+                      errc::invalid_argument,
                       "segment list: '" + std::string(item) + "' is not layer:stream");
       ids.push_back({static_cast<std::uint32_t>(l), s, generation});
     } catch (const std::logic_error&) {
-      detail::fail(errc::invalid_argument, "segment list: '" + std::string(item) + "' is not layer:stream");
+      detail::fail(errc::invalid_argument,
+                   "segment list: '" + std::string(item) + "' is not layer:stream");
     }
     text = comma == std::string_view::npos ? std::string_view{} : text.substr(comma + 1);
   }

@@ -17,11 +17,13 @@ struct counter_rng {
     return z ^ (z >> 31);
   }
   /// 64 random bits for (purpose, position, draw).
-  [[nodiscard]] constexpr std::uint64_t bits(std::uint64_t purpose, std::uint64_t position, std::uint64_t draw = 0) const {
+  [[nodiscard]] constexpr std::uint64_t bits(std::uint64_t purpose, std::uint64_t position,
+                                             std::uint64_t draw = 0) const {
     return mix(mix(mix(seed ^ (purpose * 0xd1b54a32d192ed03ull)) ^ position) ^ draw);
   }
   /// Uniform double in [0, 1) with 53 random bits.
-  [[nodiscard]] constexpr double uniform(std::uint64_t purpose, std::uint64_t position, std::uint64_t draw = 0) const {
+  [[nodiscard]] constexpr double uniform(std::uint64_t purpose, std::uint64_t position,
+                                         std::uint64_t draw = 0) const {
     return static_cast<double>(bits(purpose, position, draw) >> 11) * 0x1.0p-53;
   }
 };

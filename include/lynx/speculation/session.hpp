@@ -35,22 +35,36 @@ enum class landing_policy : std::uint8_t {
 };
 
 struct session_options {
-  int max_draft = 8;                        // draft tokens before waiting for more planes
+  int max_draft = 8;  // draft tokens before waiting for more planes
   landing_policy on_landing = landing_policy::verify_now;
-  bool verify_intermediate_levels = true;   // with 3+ streams: re-check drafts at each level
-  std::int64_t max_new_tokens = 64;         // committed tokens after the prompt, the prefill's own token included
+  bool verify_intermediate_levels = true;  // with 3+ streams: re-check drafts at each level
+  std::int64_t max_new_tokens =
+      64;  // committed tokens after the prompt, the prefill's own token included
 };
 
-enum class session_state : std::uint8_t { waiting_for_anchor, drafting, waiting_for_residual, exact, finished, failed };
+enum class session_state : std::uint8_t {
+  waiting_for_anchor,
+  drafting,
+  waiting_for_residual,
+  exact,
+  finished,
+  failed
+};
 
 inline const char* to_string(session_state s) {
   switch (s) {
-    case session_state::waiting_for_anchor: return "waiting_for_anchor";
-    case session_state::drafting: return "drafting";
-    case session_state::waiting_for_residual: return "waiting_for_residual";
-    case session_state::exact: return "exact";
-    case session_state::finished: return "finished";
-    case session_state::failed: return "failed";
+    case session_state::waiting_for_anchor:
+      return "waiting_for_anchor";
+    case session_state::drafting:
+      return "drafting";
+    case session_state::waiting_for_residual:
+      return "waiting_for_residual";
+    case session_state::exact:
+      return "exact";
+    case session_state::finished:
+      return "finished";
+    case session_state::failed:
+      return "failed";
   }
   return "?";
 }
@@ -69,21 +83,27 @@ struct step_result {
 
 /// Acceptance statistics of a request.
 struct session_stats {
-  std::int64_t draft_tokens = 0;       // drafts generated
-  std::int64_t verifications = 0;      // verify passes at the target level
-  std::int64_t verified_drafts = 0;    // drafts checked at the target level
-  std::int64_t accepted_drafts = 0;    // of those, accepted
-  std::int64_t forwards = 0;           // engine forwards of any kind
-  std::int64_t unverified_tokens = 0;  // committed after continue_unverified: not checked at the request's full precision
-  [[nodiscard]] double acceptance_rate() const { return verified_drafts ? double(accepted_drafts) / double(verified_drafts) : 0.0; }
-  [[nodiscard]] double mean_accepted_length() const { return verifications ? double(accepted_drafts) / double(verifications) : 0.0; }
+  std::int64_t draft_tokens = 0;     // drafts generated
+  std::int64_t verifications = 0;    // verify passes at the target level
+  std::int64_t verified_drafts = 0;  // drafts checked at the target level
+  std::int64_t accepted_drafts = 0;  // of those, accepted
+  std::int64_t forwards = 0;         // engine forwards of any kind
+  std::int64_t unverified_tokens =
+      0;  // committed after continue_unverified: not checked at the request's full precision
+  [[nodiscard]] double acceptance_rate() const {
+    return verified_drafts ? double(accepted_drafts) / double(verified_drafts) : 0.0;
+  }
+  [[nodiscard]] double mean_accepted_length() const {
+    return verifications ? double(accepted_drafts) / double(verifications) : 0.0;
+  }
 };
 
 /// One committed token as the flagged callback sees it.
 struct committed_token {
   std::int32_t token = 0;
   std::int64_t position = 0;  // its position in the sequence (the prompt is 0 .. prompt_tokens - 1)
-  bool verified = true;       // false: committed after continue_unverified, at a level below the request's target
+  bool verified =
+      true;  // false: committed after continue_unverified, at a level below the request's target
 };
 
 template <decode_engine Engine, verifier_policy Verifier = greedy_verifier>
@@ -95,13 +115,23 @@ class progressive_session {
   /// prompt_tokens: tokens of the prompt (their KV is the transferred cache);
   /// first_token: the token the prefill node chose from the prompt's last logits
   /// (exact: computed at full precision), committed at once.
-  progressive_session(Engine& engine, Verifier verifier, int target_level, std::int64_t prompt_tokens, std::int32_t first_token,
+  progressive_session(Engine& engine, Verifier verifier, int target_level,
+                      std::int64_t prompt_tokens, std::int32_t first_token,
                       session_options options = {}, commit_callback on_commit = {})
-      : engine_(engine), verifier_(std::move(verifier)), options_(options), on_commit_(std::move(on_commit)),
-        target_level_(target_level), requested_level_(target_level), prompt_tokens_(prompt_tokens), base_tail_(engine.tail_size()) {
-    detail::require(target_level >= 1, errc::invalid_argument, "session: target level must be at least 1");
-    detail::require(options.max_draft >= 0, errc::invalid_argument, "session: max_draft must be >= 0");
-    detail::require(options.max_new_tokens >= 1, errc::invalid_argument, "session: max_new_tokens must be >= 1");
+      : engine_(engine),
+        verifier_(std::move(verifier)),
+        options_(options),
+        on_commit_(std::move(on_commit)),
+        target_level_(target_level),
+        requested_level_(target_level),
+        prompt_tokens_(prompt_tokens),
+        base_tail_(engine.tail_size()) {
+    detail::require(target_level >= 1, errc::invalid_argument,
+                    "session: target level must be at least 1");
+    detail::require(options.max_draft >= 0, errc::invalid_argument,
+                    "session: max_draft must be >= 0");
+    detail::require(options.max_new_tokens >= 1, errc::invalid_argument,
+                    "session: max_new_tokens must be >= 1");
     vocab_ = static_cast<std::int64_t>(engine.vocab_size());
     inputs_.push_back(first_token);
     commit(first_token);
@@ -110,8 +140,8 @@ class progressive_session {
   /// The precision level present on every layer (the minimum over layers).
   void set_available_level(int level) {
     detail::require(level >= available_ && level <= target_level_, errc::invalid_argument,
-                    "session: available level went from " + std::to_string(available_) + " to " + std::to_string(level) +
-                        " (target " + std::to_string(target_level_) + ")");
+                    "session: available level went from " + std::to_string(available_) + " to " +
+                        std::to_string(level) + " (target " + std::to_string(target_level_) + ")");
     available_ = level;
   }
   /// A transfer failed: the session stops and reports it; nothing more is committed.
@@ -128,7 +158,8 @@ class progressive_session {
     if (!on_commit_event_) return;
     const std::int64_t verified = verified_tokens();
     for (std::size_t i = 0; i < committed_.size(); ++i)
-      on_commit_event_({committed_[i], prompt_tokens_ + static_cast<std::int64_t>(i), static_cast<std::int64_t>(i) < verified});
+      on_commit_event_({committed_[i], prompt_tokens_ + static_cast<std::int64_t>(i),
+                        static_cast<std::int64_t>(i) < verified});
   }
 
   /// The missing planes will not come: decode on at the level available on
@@ -138,8 +169,10 @@ class progressive_session {
   /// token committed from now on is marked unverified. Nothing changes when
   /// every level is already present. errc::invalid_argument without the anchor.
   void continue_unverified(const std::string& why) {
-    detail::require(!state_override_failed_, errc::invalid_argument, "session: continue_unverified after the session failed: " + failure_);
-    detail::require(available_ >= 1, errc::invalid_argument, "session: continue_unverified without the anchor (no level present): " + why);
+    detail::require(!state_override_failed_, errc::invalid_argument,
+                    "session: continue_unverified after the session failed: " + failure_);
+    detail::require(available_ >= 1, errc::invalid_argument,
+                    "session: continue_unverified without the anchor (no level present): " + why);
     if (available_ == target_level_) return;
     failure_ = why;
     unverified_ = true;
@@ -171,11 +204,15 @@ class progressive_session {
     if (state_override_failed_) return session_state::failed;
     if (finished()) return session_state::finished;
     if (available_ == 0) return session_state::waiting_for_anchor;
-    if (draft_level_ == target_level_ || (draft_level_ == 0 && available_ == target_level_)) return session_state::exact;
-    if (drafts() >= options_.max_draft && available_ <= draft_level_) return session_state::waiting_for_residual;
+    if (draft_level_ == target_level_ || (draft_level_ == 0 && available_ == target_level_))
+      return session_state::exact;
+    if (drafts() >= options_.max_draft && available_ <= draft_level_)
+      return session_state::waiting_for_residual;
     return session_state::drafting;
   }
-  [[nodiscard]] bool finished() const { return static_cast<std::int64_t>(committed_.size()) >= options_.max_new_tokens; }
+  [[nodiscard]] bool finished() const {
+    return static_cast<std::int64_t>(committed_.size()) >= options_.max_new_tokens;
+  }
   [[nodiscard]] const std::vector<std::int32_t>& committed() const { return committed_; }
   [[nodiscard]] const session_stats& stats() const { return stats_; }
   [[nodiscard]] const std::string& failure() const { return failure_; }
@@ -184,7 +221,8 @@ class progressive_session {
   /// One unit of work: a draft forward, a verification, or an exact decode step;
   /// idle when it must wait for planes. Throws what the engine throws.
   step_result step() {
-    if (state_override_failed_) detail::fail(errc::transport_failure, "session failed: " + failure_);
+    if (state_override_failed_)
+      detail::fail(errc::transport_failure, "session failed: " + failure_);
     if (finished()) return {step_kind::done};
     if (available_ == 0) return {step_kind::idle};
     if (draft_level_ == 0) draft_level_ = available_;
@@ -192,8 +230,10 @@ class progressive_session {
     if (available_ > draft_level_) {
       // More planes than the drafts were made with.
       if (options_.on_landing == landing_policy::verify_now || drafts() >= options_.max_draft) {
-        if (available_ == target_level_ || options_.verify_intermediate_levels) return verify_at(available_);
-        draft_level_ = available_;  // no intermediate check: keep the drafts, go on at the better level
+        if (available_ == target_level_ || options_.verify_intermediate_levels)
+          return verify_at(available_);
+        draft_level_ =
+            available_;  // no intermediate check: keep the drafts, go on at the better level
       }
     }
     if (drafts() >= options_.max_draft) return {step_kind::idle};
@@ -204,8 +244,12 @@ class progressive_session {
   // inputs_ = [a, d1 .. dn]: a is the last committed token whose K/V is not yet
   // exact in the tail; d1..dn are drafts. The tail holds base_tail_ + verified_
   // exact entries, then fed_ entries of inputs_ computed at draft_level_.
-  [[nodiscard]] std::int64_t drafts() const { return static_cast<std::int64_t>(inputs_.size()) - 1; }
-  [[nodiscard]] std::int64_t position_of_input(std::int64_t i) const { return prompt_tokens_ + verified_ + i; }
+  [[nodiscard]] std::int64_t drafts() const {
+    return static_cast<std::int64_t>(inputs_.size()) - 1;
+  }
+  [[nodiscard]] std::int64_t position_of_input(std::int64_t i) const {
+    return prompt_tokens_ + verified_ + i;
+  }
 
   void commit(std::int32_t token) {
     if (finished()) return;
@@ -222,7 +266,8 @@ class progressive_session {
     detail::require(i == drafts(), errc::internal, "session: draft inputs out of step");
     row_.resize(static_cast<std::size_t>(vocab_));
     const std::int32_t token = inputs_[static_cast<std::size_t>(i)];
-    engine_.forward(std::span<const std::int32_t>(&token, 1), position_of_input(i), draft_level_, row_);
+    engine_.forward(std::span<const std::int32_t>(&token, 1), position_of_input(i), draft_level_,
+                    row_);
     ++stats_.forwards;
     ++fed_;
     const std::int32_t d = verifier_.draft(row_, position_of_input(i + 1));
@@ -238,8 +283,10 @@ class progressive_session {
     rows_.resize(static_cast<std::size_t>((n + 1) * vocab_));
     engine_.forward(inputs_, position_of_input(0), level, rows_);
     ++stats_.forwards;
-    const std::span<const std::int32_t> draft_tokens(inputs_.data() + 1, static_cast<std::size_t>(n));
-    const verify_outcome out = verifier_.verify(draft_tokens, draft_rows_, rows_, vocab_, position_of_input(1), level);
+    const std::span<const std::int32_t> draft_tokens(inputs_.data() + 1,
+                                                     static_cast<std::size_t>(n));
+    const verify_outcome out =
+        verifier_.verify(draft_tokens, draft_rows_, rows_, vocab_, position_of_input(1), level);
     const std::int64_t m = out.accepted;
     engine_.drop_tail(n - m);  // keep a, d1..dm
     step_result r{step_kind::verify, level, n + 1, m, n, 0};
@@ -259,7 +306,8 @@ class progressive_session {
       // Intermediate level: d1..dm and the correction stay drafts, now of this level.
       inputs_.resize(static_cast<std::size_t>(m + 1));
       inputs_.push_back(out.next);
-      if (Verifier::needs_draft_rows) draft_rows_.assign(rows_.begin(), rows_.begin() + (m + 1) * vocab_);
+      if (Verifier::needs_draft_rows)
+        draft_rows_.assign(rows_.begin(), rows_.begin() + (m + 1) * vocab_);
       fed_ = m + 1;
     }
     draft_level_ = level;
@@ -269,7 +317,8 @@ class progressive_session {
   step_result exact_step() {
     row_.resize(static_cast<std::size_t>(vocab_));
     const std::int32_t token = inputs_[0];
-    engine_.forward(std::span<const std::int32_t>(&token, 1), position_of_input(0), target_level_, row_);
+    engine_.forward(std::span<const std::int32_t>(&token, 1), position_of_input(0), target_level_,
+                    row_);
     ++stats_.forwards;
     const std::int32_t next = verifier_.decide(row_, position_of_input(1));
     ++verified_;

@@ -78,7 +78,9 @@ struct send_event {
   completion_kind kind = completion_kind::delivered;
   errc status = errc::ok;
   typename Clock::time_point at{};
-  [[nodiscard]] bool is_final() const noexcept { return kind == completion_kind::delivered || status != errc::ok; }
+  [[nodiscard]] bool is_final() const noexcept {
+    return kind == completion_kind::delivered || status != errc::ok;
+  }
 };
 
 /// An arrived segment. `bytes` belong to the receiver and stay valid until
@@ -139,23 +141,27 @@ concept posts_segments = requires(T& t, const send_request& request) {
 /// (std::nullopt when none came by then). Every successful post produces
 /// exactly one final event, possibly preceded by a buffer_reusable one.
 template <class T>
-concept reports_completions = has_transport_clock<T> && requires(T& t, typename T::clock::time_point deadline) {
+concept reports_completions = has_transport_clock<T> &&
+    requires(T& t, typename T::clock::time_point deadline) {
   { t.next_event(deadline) } -> std::same_as<std::optional<send_event<typename T::clock>>>;
 };
 
 /// The sending side of a transport.
 template <class T>
-concept segment_sender = has_transport_clock<T> && has_lanes<T> && posts_segments<T> && reports_completions<T>;
+concept segment_sender =
+    has_transport_clock<T> && has_lanes<T> && posts_segments<T> && reports_completions<T>;
 
 /// Yields arrived segments, waiting at most until the deadline.
 template <class T>
-concept yields_segments = has_transport_clock<T> && requires(T& t, typename T::clock::time_point deadline) {
+concept yields_segments = has_transport_clock<T> &&
+    requires(T& t, typename T::clock::time_point deadline) {
   { t.try_receive(deadline) } -> std::same_as<receive_result<typename T::clock>>;
 };
 
 /// Gives the bytes of an arrived segment back to the transport.
 template <class T>
-concept releases_segments = has_transport_clock<T> && requires(T& t, const received_segment<typename T::clock>& segment) {
+concept releases_segments = has_transport_clock<T> &&
+    requires(T& t, const received_segment<typename T::clock>& segment) {
   { t.release(segment) } -> std::same_as<void>;
 };
 
@@ -173,18 +179,27 @@ receive_result<typename R::clock> poll(R& receiver) {
 /// one is missing (use: static_assert(check_segment_sender<T>())).
 template <class T>
 consteval bool check_segment_sender() {
-  static_assert(has_transport_clock<T>, "segment_sender: needs a nested `clock` type (duration, time_point) and `now()` returning clock::time_point");
+  static_assert(has_transport_clock<T>,
+                "segment_sender: needs a nested `clock` type (duration, time_point) and `now()` "
+                "returning clock::time_point");
   static_assert(has_lanes<T>, "segment_sender: needs `int lane_count() const`");
   static_assert(posts_segments<T>, "segment_sender: needs `post_result post(const send_request&)`");
-  static_assert(reports_completions<T>, "segment_sender: needs `std::optional<send_event<clock>> next_event(clock::time_point deadline)`");
+  static_assert(reports_completions<T>,
+                "segment_sender: needs `std::optional<send_event<clock>> "
+                "next_event(clock::time_point deadline)`");
   return segment_sender<T>;
 }
 
 template <class T>
 consteval bool check_segment_receiver() {
-  static_assert(has_transport_clock<T>, "segment_receiver: needs a nested `clock` type (duration, time_point) and `now()` returning clock::time_point");
-  static_assert(yields_segments<T>, "segment_receiver: needs `receive_result<clock> try_receive(clock::time_point deadline)`");
-  static_assert(releases_segments<T>, "segment_receiver: needs `void release(const received_segment<clock>&)`");
+  static_assert(has_transport_clock<T>,
+                "segment_receiver: needs a nested `clock` type (duration, time_point) and `now()` "
+                "returning clock::time_point");
+  static_assert(
+      yields_segments<T>,
+      "segment_receiver: needs `receive_result<clock> try_receive(clock::time_point deadline)`");
+  static_assert(releases_segments<T>,
+                "segment_receiver: needs `void release(const received_segment<clock>&)`");
   return segment_receiver<T>;
 }
 

@@ -70,8 +70,8 @@ class loopback_link {
     int lanes = 1;
     std::vector<std::deque<queued>> queues;  // [lane]
     std::deque<send_event<clock>> events;
-    std::set<send_ticket> undelivered;       // posted, no final event yet
-    std::map<std::uint64_t, queued> held;    // handle -> bytes owned by the receiver until released
+    std::set<send_ticket> undelivered;     // posted, no final event yet
+    std::map<std::uint64_t, queued> held;  // handle -> bytes owned by the receiver until released
     send_ticket next_ticket = 1;
     std::uint64_t next_handle = 1;
     std::uint64_t posts = 0;
@@ -103,8 +103,11 @@ class loopback_link {
       if (q.size) std::memcpy(q.bytes.data(), request.bytes.data(), q.size);
       auto& lane = s_->queues[request.lane];
       switch (f.kind) {
-        case fault_kind::none: lane.push_back(std::move(q)); break;
-        case fault_kind::drop: break;
+        case fault_kind::none:
+          lane.push_back(std::move(q));
+          break;
+        case fault_kind::drop:
+          break;
         case fault_kind::duplicate: {
           queued copy;
           copy.ticket = ticket;
@@ -142,7 +145,8 @@ class loopback_link {
 
     std::optional<send_event<clock>> next_event(time_point deadline) {
       std::unique_lock lock(s_->mutex);
-      if (!s_->completed.wait_until(lock, deadline, [&] { return !s_->events.empty(); })) return std::nullopt;
+      if (!s_->completed.wait_until(lock, deadline, [&] { return !s_->events.empty(); }))
+        return std::nullopt;
       const send_event<clock> e = s_->events.front();
       s_->events.pop_front();
       return e;
@@ -176,9 +180,11 @@ class loopback_link {
         queued q = std::move(lane.front());
         lane.pop_front();
         const time_point at = clock::now();
-        if (s_->undelivered.erase(q.ticket)) s_->events.push_back({q.ticket, completion_kind::delivered, errc::ok, at});
+        if (s_->undelivered.erase(q.ticket))
+          s_->events.push_back({q.ticket, completion_kind::delivered, errc::ok, at});
         const std::uint64_t handle = s_->next_handle++;
-        received_segment<clock> seg{std::span<const std::byte>(q.bytes.data(), q.size), q.lane, at, handle};
+        received_segment<clock> seg{std::span<const std::byte>(q.bytes.data(), q.size), q.lane, at,
+                                    handle};
         s_->held.emplace(handle, std::move(q));  // the buffer's address is stable across the move
         lock.unlock();
         s_->completed.notify_all();
@@ -226,12 +232,14 @@ class loopback_link {
   /// gets one with `status`, later posts fail with it, and the receiver
   /// returns it once the segments already queued are drained.
   void break_link(errc status = errc::peer_failure) {
-    detail::require(status != errc::ok, errc::invalid_argument, "loopback_link::break_link: status must be an error");
+    detail::require(status != errc::ok, errc::invalid_argument,
+                    "loopback_link::break_link: status must be an error");
     {
       std::lock_guard lock(state_.mutex);
       state_.broken = status;
       const time_point at = clock::now();
-      for (const send_ticket t : state_.undelivered) state_.events.push_back({t, completion_kind::delivered, status, at});
+      for (const send_ticket t : state_.undelivered)
+        state_.events.push_back({t, completion_kind::delivered, status, at});
       state_.undelivered.clear();
     }
     state_.arrived.notify_all();

@@ -55,7 +55,8 @@ struct segment_record {
 
 template <class Sender>
 class stream_scheduler {
-  static_assert(check_segment_sender<Sender>(), "stream_scheduler: the transport is not a segment_sender");
+  static_assert(check_segment_sender<Sender>(),
+                "stream_scheduler: the transport is not a segment_sender");
 
  public:
   using clock = typename Sender::clock;
@@ -63,9 +64,11 @@ class stream_scheduler {
   using record = segment_record<clock>;
   using release_handler = std::function<void(const record&)>;
 
-  explicit stream_scheduler(Sender& sender, scheduler_options options = {}) : sender_(sender), options_(options) {
-    detail::require(sender.lane_count() >= 1, errc::invalid_argument,
-                    "stream_scheduler: the transport has " + std::to_string(sender.lane_count()) + " lanes");
+  explicit stream_scheduler(Sender& sender, scheduler_options options = {})
+      : sender_(sender), options_(options) {
+    detail::require(
+        sender.lane_count() >= 1, errc::invalid_argument,
+        "stream_scheduler: the transport has " + std::to_string(sender.lane_count()) + " lanes");
   }
   stream_scheduler(const stream_scheduler&) = delete;
   stream_scheduler& operator=(const stream_scheduler&) = delete;
@@ -78,7 +81,8 @@ class stream_scheduler {
   /// generation. The bytes must stay alive and unchanged until released.
   void submit(std::span<const std::byte> segment) {
     const segment_header h = peek_header(segment);
-    detail::require(h.magic == segment_magic, errc::bad_magic, "stream_scheduler::submit: not a Lynx segment (magic mismatch)");
+    detail::require(h.magic == segment_magic, errc::bad_magic,
+                    "stream_scheduler::submit: not a Lynx segment (magic mismatch)");
     record r;
     r.id = segment_id{h.layer, h.stream, h.generation};
     r.bytes = segment;
@@ -132,12 +136,16 @@ class stream_scheduler {
   [[nodiscard]] bool finished() const noexcept {
     return outstanding_ == 0 && (pending_.empty() || failed());
   }
-  [[nodiscard]] bool failed() const noexcept { return status_ != errc::ok && status_ != errc::timeout; }
+  [[nodiscard]] bool failed() const noexcept {
+    return status_ != errc::ok && status_ != errc::timeout;
+  }
   /// ok, or the first error: a send's failure or a run() that timed out.
   [[nodiscard]] errc status() const noexcept { return status_; }
   [[nodiscard]] const std::vector<record>& records() const noexcept { return records_; }
   [[nodiscard]] std::size_t residual_in_flight() const noexcept { return residual_in_flight_; }
-  [[nodiscard]] std::size_t peak_residual_in_flight() const noexcept { return peak_residual_in_flight_; }
+  [[nodiscard]] std::size_t peak_residual_in_flight() const noexcept {
+    return peak_residual_in_flight_;
+  }
   [[nodiscard]] std::size_t outstanding() const noexcept { return outstanding_; }
   [[nodiscard]] const scheduler_options& options() const noexcept { return options_; }
 
@@ -148,7 +156,9 @@ class stream_scheduler {
     while (!pending_.empty() && !failed()) {
       const auto [stream, layer, index] = *pending_.begin();
       record& r = records_[index];
-      if (stream != 0 && residual_in_flight_ != 0 && residual_in_flight_ + r.bytes.size() > options_.residual_window_bytes) return;
+      if (stream != 0 && residual_in_flight_ != 0 &&
+          residual_in_flight_ + r.bytes.size() > options_.residual_window_bytes)
+        return;
       const post_result p = sender_.post(send_request{r.bytes, r.id, r.lane, r.priority});
       pending_.erase(pending_.begin());
       if (!p.ok()) {
@@ -165,7 +175,8 @@ class stream_scheduler {
       ++outstanding_;
       if (r.is_residual()) {
         residual_in_flight_ += r.bytes.size();
-        if (residual_in_flight_ > peak_residual_in_flight_) peak_residual_in_flight_ = residual_in_flight_;
+        if (residual_in_flight_ > peak_residual_in_flight_)
+          peak_residual_in_flight_ = residual_in_flight_;
       }
     }
   }
@@ -201,7 +212,8 @@ class stream_scheduler {
   Sender& sender_;
   scheduler_options options_;
   std::vector<record> records_;
-  std::set<std::tuple<int, std::uint32_t, std::size_t>> pending_;  // (stream, layer, record index): posting order
+  std::set<std::tuple<int, std::uint32_t, std::size_t>>
+      pending_;  // (stream, layer, record index): posting order
   std::set<std::tuple<int, std::uint32_t, std::uint64_t>> submitted_;
   std::unordered_map<send_ticket, std::size_t> by_ticket_;
   std::size_t outstanding_ = 0;

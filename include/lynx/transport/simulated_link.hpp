@@ -60,14 +60,18 @@ struct simulated_lane {
 };
 
 struct simulated_link_options {
-  std::vector<simulated_lane> lanes;              // 1 (shared, strict priority) or 2 (anchor lane, residual lane)
-  std::size_t chunk_bytes = std::size_t{64} << 10;  // preemption granularity; 0: between segments only
-  bool keep_bytes = true;                         // copy delivered bytes for the receiver; false: timeline only (empty spans)
+  std::vector<simulated_lane>
+      lanes;  // 1 (shared, strict priority) or 2 (anchor lane, residual lane)
+  std::size_t chunk_bytes = std::size_t{64}
+                            << 10;  // preemption granularity; 0: between segments only
+  bool keep_bytes =
+      true;  // copy delivered bytes for the receiver; false: timeline only (empty spans)
 
   static simulated_link_options one_lane(std::uint64_t bytes_per_second, virtual_duration latency) {
     return {{{bytes_per_second, latency}}};
   }
-  static simulated_link_options two_lanes(std::uint64_t bytes_per_second, virtual_duration latency) {
+  static simulated_link_options two_lanes(std::uint64_t bytes_per_second,
+                                          virtual_duration latency) {
     return {{{bytes_per_second, latency}, {bytes_per_second, latency}}};
   }
 };
@@ -80,8 +84,9 @@ struct arrival_event {
   std::size_t bytes = 0;
   virtual_time posted{}, first_byte_sent{}, last_byte_sent{}, arrived{};
   friend bool operator==(const arrival_event& a, const arrival_event& b) {
-    return a.id.layer == b.id.layer && a.id.stream == b.id.stream && a.id.generation == b.id.generation && a.ticket == b.ticket &&
-           a.lane == b.lane && a.bytes == b.bytes && a.posted == b.posted && a.first_byte_sent == b.first_byte_sent &&
+    return a.id.layer == b.id.layer && a.id.stream == b.id.stream &&
+           a.id.generation == b.id.generation && a.ticket == b.ticket && a.lane == b.lane &&
+           a.bytes == b.bytes && a.posted == b.posted && a.first_byte_sent == b.first_byte_sent &&
            a.last_byte_sent == b.last_byte_sent && a.arrived == b.arrived;
   }
 };
@@ -94,7 +99,8 @@ class simulated_link {
   /// Wire time of n bytes at a lane's bandwidth, rounded up to a picosecond.
   static virtual_duration wire_time(std::uint64_t bytes, std::uint64_t bytes_per_second) {
     __extension__ using wide = unsigned __int128;
-    const wide ps = (static_cast<wide>(bytes) * 1'000'000'000'000u + bytes_per_second - 1) / bytes_per_second;
+    const wide ps =
+        (static_cast<wide>(bytes) * 1'000'000'000'000u + bytes_per_second - 1) / bytes_per_second;
     return virtual_duration(static_cast<std::int64_t>(ps));
   }
 
@@ -105,7 +111,9 @@ class simulated_link {
     [[nodiscard]] time_point now() const { return link_->now(); }
     [[nodiscard]] int lane_count() const { return link_->lane_count(); }
     post_result post(const send_request& request) { return link_->post(request); }
-    std::optional<send_event<clock>> next_event(time_point deadline) { return link_->next_event(deadline); }
+    std::optional<send_event<clock>> next_event(time_point deadline) {
+      return link_->next_event(deadline);
+    }
 
    private:
     simulated_link* link_;
@@ -124,12 +132,15 @@ class simulated_link {
     simulated_link* link_;
   };
 
-  explicit simulated_link(simulated_link_options options) : options_(std::move(options)), sender_(*this), receiver_(*this) {
-    detail::require(options_.lanes.size() == 1 || options_.lanes.size() == 2, errc::invalid_argument,
-                    "simulated_link: " + std::to_string(options_.lanes.size()) + " lanes configured (1 or 2)");
+  explicit simulated_link(simulated_link_options options)
+      : options_(std::move(options)), sender_(*this), receiver_(*this) {
+    detail::require(
+        options_.lanes.size() == 1 || options_.lanes.size() == 2, errc::invalid_argument,
+        "simulated_link: " + std::to_string(options_.lanes.size()) + " lanes configured (1 or 2)");
     for (std::size_t l = 0; l < options_.lanes.size(); ++l) {
-      detail::require(options_.lanes[l].bytes_per_second > 0, errc::invalid_argument,
-                      "simulated_link: lane " + std::to_string(l) + " has a bandwidth of 0 bytes/s");
+      detail::require(
+          options_.lanes[l].bytes_per_second > 0, errc::invalid_argument,
+          "simulated_link: lane " + std::to_string(l) + " has a bandwidth of 0 bytes/s");
       detail::require(options_.lanes[l].latency.count() >= 0, errc::invalid_argument,
                       "simulated_link: lane " + std::to_string(l) + " has a negative latency");
     }
@@ -156,7 +167,8 @@ class simulated_link {
 
   /// Processes every event up to and including t; the clock ends at t.
   void advance_to(time_point t) {
-    while (!timed_.empty() && timed_.begin()->first.first <= t.time_since_epoch().count()) step_once(true);
+    while (!timed_.empty() && timed_.begin()->first.first <= t.time_since_epoch().count())
+      step_once(true);
     if (t > now_) now_ = t;
   }
 
@@ -175,8 +187,9 @@ class simulated_link {
   /// The arrivals at or before t (t <= now(); advance_to(t) first for a later t).
   [[nodiscard]] std::vector<arrival_event> arrived_by(time_point t) const {
     detail::require(t <= now_, errc::invalid_argument,
-                    "simulated_link::arrived_by: time " + std::to_string(to_seconds(t)) + " s is after now() = " +
-                        std::to_string(to_seconds(now_)) + " s; advance_to it first");
+                    "simulated_link::arrived_by: time " + std::to_string(to_seconds(t)) +
+                        " s is after now() = " + std::to_string(to_seconds(now_)) +
+                        " s; advance_to it first");
     std::vector<arrival_event> r;
     for (const auto& a : log_)
       if (a.arrived <= t) r.push_back(a);
@@ -187,12 +200,15 @@ class simulated_link {
   /// `status`, later posts fail with it, the receiver returns it once the
   /// segments that already arrived are drained. Bytes still on the wire are lost.
   void break_link(errc status = errc::peer_failure) {
-    detail::require(status != errc::ok, errc::invalid_argument, "simulated_link::break_link: status must be an error");
+    detail::require(status != errc::ok, errc::invalid_argument,
+                    "simulated_link::break_link: status must be an error");
     broken_ = status;
     timed_.clear();
     // Sends still on the wire, and those that arrived but whose ack had not come back yet.
-    for (auto& [ticket, t] : transfers_) sender_events_.push_back({ticket, completion_kind::delivered, status, now_});
-    for (const send_ticket ticket : pending_acks_) sender_events_.push_back({ticket, completion_kind::delivered, status, now_});
+    for (auto& [ticket, t] : transfers_)
+      sender_events_.push_back({ticket, completion_kind::delivered, status, now_});
+    for (const send_ticket ticket : pending_acks_)
+      sender_events_.push_back({ticket, completion_kind::delivered, status, now_});
     transfers_.clear();
     pending_acks_.clear();
     for (auto& l : lanes_) l = lane_state{};
@@ -209,9 +225,10 @@ class simulated_link {
   };
   struct lane_state {
     bool busy = false;
-    std::int64_t busy_since = 0;  // ps
+    std::int64_t busy_since = 0;   // ps
     std::uint64_t busy_bytes = 0;  // bytes put on the wire since busy_since, current chunk included
-    std::set<std::pair<std::pair<send_priority, std::uint64_t>, send_ticket>> pending;  // ((priority, seq), ticket)
+    std::set<std::pair<std::pair<send_priority, std::uint64_t>, send_ticket>>
+        pending;  // ((priority, seq), ticket)
   };
   enum class action_kind : std::uint8_t { chunk_done, arrive, sender_event };
   struct action {
@@ -228,7 +245,9 @@ class simulated_link {
     std::size_t size = 0;
   };
 
-  void schedule(std::int64_t at, action a) { timed_.emplace(std::make_pair(at, next_seq_++), std::move(a)); }
+  void schedule(std::int64_t at, action a) {
+    timed_.emplace(std::make_pair(at, next_seq_++), std::move(a));
+  }
 
   post_result post(const send_request& request) {
     if (broken_ != errc::ok) return {broken_, 0};
@@ -267,9 +286,11 @@ class simulated_link {
       t.started = true;
       t.journey.first_byte_sent = now_;
     }
-    const std::size_t chunk = options_.chunk_bytes == 0 ? t.remaining : std::min(options_.chunk_bytes, t.remaining);
+    const std::size_t chunk =
+        options_.chunk_bytes == 0 ? t.remaining : std::min(options_.chunk_bytes, t.remaining);
     lane.busy_bytes += chunk;
-    const std::int64_t end = lane.busy_since + wire_time(lane.busy_bytes, options_.lanes[l].bytes_per_second).count();
+    const std::int64_t end =
+        lane.busy_since + wire_time(lane.busy_bytes, options_.lanes[l].bytes_per_second).count();
     action a;
     a.kind = action_kind::chunk_done;
     a.lane = l;
@@ -286,7 +307,8 @@ class simulated_link {
       t.journey.last_byte_sent = now_;
       if (options_.keep_bytes) {  // read the caller's bytes now: after this they are reusable
         t.copy = aligned_buffer(t.request.bytes.size());
-        if (!t.request.bytes.empty()) std::memcpy(t.copy.data(), t.request.bytes.data(), t.request.bytes.size());
+        if (!t.request.bytes.empty())
+          std::memcpy(t.copy.data(), t.request.bytes.data(), t.request.bytes.size());
       }
       const std::int64_t latency = options_.lanes[a.lane].latency.count();
       const std::int64_t at = now_.time_since_epoch().count();
@@ -317,7 +339,8 @@ class simulated_link {
     ready_.push_back(std::move(s));
     action ack;
     ack.kind = action_kind::sender_event;
-    ack.event = {a.ticket, completion_kind::delivered, errc::ok, now_ + options_.lanes[a.lane].latency};
+    ack.event = {a.ticket, completion_kind::delivered, errc::ok,
+                 now_ + options_.lanes[a.lane].latency};
     schedule(ack.event.at.time_since_epoch().count(), ack);
     transfers_.erase(it);
     pending_acks_.insert(a.ticket);
@@ -331,8 +354,12 @@ class simulated_link {
       const action a = std::move(timed_.begin()->second);
       timed_.erase(timed_.begin());
       switch (a.kind) {
-        case action_kind::chunk_done: chunk_done(a); break;
-        case action_kind::arrive: arrive(a); break;
+        case action_kind::chunk_done:
+          chunk_done(a);
+          break;
+        case action_kind::arrive:
+          arrive(a);
+          break;
         case action_kind::sender_event:
           if (a.event.kind == completion_kind::delivered) pending_acks_.erase(a.event.ticket);
           sender_events_.push_back(a.event);
@@ -364,7 +391,8 @@ class simulated_link {
       arrived_segment s = std::move(ready_.front());
       ready_.pop_front();
       const std::uint64_t handle = next_handle_++;
-      received_segment<clock> seg{std::span<const std::byte>(s.bytes.data(), s.size), s.lane, s.at, handle};
+      received_segment<clock> seg{std::span<const std::byte>(s.bytes.data(), s.size), s.lane, s.at,
+                                  handle};
       held_.emplace(handle, std::move(s.bytes));
       return {errc::ok, seg};
     }
@@ -378,9 +406,10 @@ class simulated_link {
   receiver_endpoint receiver_;
   time_point now_{};
   std::vector<lane_state> lanes_;
-  std::map<std::pair<std::int64_t, std::uint64_t>, action> timed_;  // (time ps, seq) -> action: deterministic order
-  std::map<send_ticket, transfer> transfers_;                       // posted, not yet arrived
-  std::set<send_ticket> pending_acks_;                              // arrived, delivered event not yet due
+  std::map<std::pair<std::int64_t, std::uint64_t>, action>
+      timed_;                                  // (time ps, seq) -> action: deterministic order
+  std::map<send_ticket, transfer> transfers_;  // posted, not yet arrived
+  std::set<send_ticket> pending_acks_;         // arrived, delivered event not yet due
   std::deque<send_event<clock>> sender_events_;
   std::deque<arrived_segment> ready_;
   std::map<std::uint64_t, aligned_buffer> held_;

@@ -7,7 +7,8 @@
 // Wire format, per connection (little-endian, as the segment header):
 //   connector -> acceptor, once:   hello  {magic "LXTH", version, lane, lanes, session}  16 bytes
 //   sender    -> receiver, per post: frame {magic "LXTF", ticket, bytes}                24 bytes,
-//                                    then `bytes` bytes: one whole segment (its 128-byte header first)
+//                                    then `bytes` bytes: one whole segment (its 128-byte header
+//                                    first)
 //   receiver  -> sender, per frame:  ack   {magic "LXTA", ticket}                        16 bytes
 // The frame carries its own length so a segment whose header was damaged in
 // transit still arrives whole and is rejected by its checksum (not by a lost
@@ -99,17 +100,21 @@ struct ack {
   std::uint32_t reserved = 0;
   std::uint64_t ticket = 0;
 };
-static_assert(sizeof(hello) == 16 && sizeof(frame) == 24 && sizeof(ack) == 16, "TCP wire frames are packed");
+static_assert(sizeof(hello) == 16 && sizeof(frame) == 24 && sizeof(ack) == 16,
+              "TCP wire frames are packed");
 }  // namespace tcp_wire
 
 namespace detail {
 
-inline std::string errno_text(int e) { return std::string(std::strerror(e)) + " (errno " + std::to_string(e) + ")"; }
+inline std::string errno_text(int e) {
+  return std::string(std::strerror(e)) + " (errno " + std::to_string(e) + ")";
+}
 
 /// The failure a socket errno means for the transport.
 inline errc socket_errc(int e) noexcept {
-  return (e == EPIPE || e == ECONNRESET || e == ECONNABORTED || e == ENOTCONN || e == ETIMEDOUT) ? errc::peer_failure
-                                                                                                 : errc::transport_failure;
+  return (e == EPIPE || e == ECONNRESET || e == ECONNABORTED || e == ENOTCONN || e == ETIMEDOUT)
+             ? errc::peer_failure
+             : errc::transport_failure;
 }
 
 /// Milliseconds until the deadline for poll(): 0 when past, rounded up so a
@@ -142,7 +147,8 @@ inline bool wait_fd(int fd, short events, std::chrono::steady_clock::time_point 
 }
 
 /// Writes all of `bytes` to a non-blocking socket before the deadline (setup only).
-inline void write_all(int fd, const void* data, std::size_t size, std::chrono::steady_clock::time_point deadline, const char* what) {
+inline void write_all(int fd, const void* data, std::size_t size,
+                      std::chrono::steady_clock::time_point deadline, const char* what) {
   const auto* p = static_cast<const char*>(data);
   while (size) {
     const ssize_t n = ::send(fd, p, size, MSG_NOSIGNAL | MSG_DONTWAIT);
@@ -153,15 +159,18 @@ inline void write_all(int fd, const void* data, std::size_t size, std::chrono::s
     }
     if (n < 0 && errno == EINTR) continue;
     if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-      require(wait_fd(fd, POLLOUT, deadline), errc::timeout, std::string("tcp: deadline passed while writing the ") + what);
+      require(wait_fd(fd, POLLOUT, deadline), errc::timeout,
+              std::string("tcp: deadline passed while writing the ") + what);
       continue;
     }
-    fail(socket_errc(errno), std::string("tcp: writing the ") + what + " failed: " + errno_text(errno));
+    fail(socket_errc(errno),
+         std::string("tcp: writing the ") + what + " failed: " + errno_text(errno));
   }
 }
 
 /// Reads exactly `size` bytes from a non-blocking socket before the deadline (setup only).
-inline void read_all(int fd, void* data, std::size_t size, std::chrono::steady_clock::time_point deadline, const char* what) {
+inline void read_all(int fd, void* data, std::size_t size,
+                     std::chrono::steady_clock::time_point deadline, const char* what) {
   auto* p = static_cast<char*>(data);
   while (size) {
     const ssize_t n = ::recv(fd, p, size, MSG_DONTWAIT);
@@ -170,13 +179,17 @@ inline void read_all(int fd, void* data, std::size_t size, std::chrono::steady_c
       size -= static_cast<std::size_t>(n);
       continue;
     }
-    if (n == 0) fail(errc::peer_failure, std::string("tcp: the peer closed the connection before the ") + what);
+    if (n == 0)
+      fail(errc::peer_failure,
+           std::string("tcp: the peer closed the connection before the ") + what);
     if (errno == EINTR) continue;
     if (errno == EAGAIN || errno == EWOULDBLOCK) {
-      require(wait_fd(fd, POLLIN, deadline), errc::timeout, std::string("tcp: deadline passed while reading the ") + what);
+      require(wait_fd(fd, POLLIN, deadline), errc::timeout,
+              std::string("tcp: deadline passed while reading the ") + what);
       continue;
     }
-    fail(socket_errc(errno), std::string("tcp: reading the ") + what + " failed: " + errno_text(errno));
+    fail(socket_errc(errno),
+         std::string("tcp: reading the ") + what + " failed: " + errno_text(errno));
   }
 }
 
@@ -233,7 +246,8 @@ inline sockaddr_in resolve_ipv4(const std::string& host, std::uint16_t port) {
   hints.ai_socktype = SOCK_STREAM;
   addrinfo* found = nullptr;
   const int rc = ::getaddrinfo(host.c_str(), nullptr, &hints, &found);
-  require(rc == 0 && found, errc::invalid_argument, "tcp: cannot resolve host '" + host + "': " + ::gai_strerror(rc));
+  require(rc == 0 && found, errc::invalid_argument,
+          "tcp: cannot resolve host '" + host + "': " + ::gai_strerror(rc));
   sockaddr_in a{};
   std::memcpy(&a, found->ai_addr, sizeof a);
   ::freeaddrinfo(found);
@@ -246,15 +260,20 @@ inline sockaddr_in resolve_ipv4(const std::string& host, std::uint16_t port) {
 /// A listening socket. Port 0 lets the OS choose (tests); port() says which.
 class tcp_listener {
  public:
-  explicit tcp_listener(const std::string& host = "127.0.0.1", std::uint16_t port = 0, int backlog = 16) {
+  explicit tcp_listener(const std::string& host = "127.0.0.1", std::uint16_t port = 0,
+                        int backlog = 16) {
     const sockaddr_in a = detail::resolve_ipv4(host, port);
     socket_ = tcp_socket(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
-    detail::require(socket_.is_open(), errc::transport_failure, "tcp_listener: socket() failed: " + detail::errno_text(errno));
+    detail::require(socket_.is_open(), errc::transport_failure,
+                    "tcp_listener: socket() failed: " + detail::errno_text(errno));
     const int one = 1;
     ::setsockopt(socket_.fd(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-    detail::require(::bind(socket_.fd(), reinterpret_cast<const sockaddr*>(&a), sizeof a) == 0, errc::transport_failure,
-                    "tcp_listener: bind to " + host + ":" + std::to_string(port) + " failed: " + detail::errno_text(errno));
-    detail::require(::listen(socket_.fd(), backlog) == 0, errc::transport_failure, "tcp_listener: listen failed: " + detail::errno_text(errno));
+    detail::require(::bind(socket_.fd(), reinterpret_cast<const sockaddr*>(&a), sizeof a) == 0,
+                    errc::transport_failure,
+                    "tcp_listener: bind to " + host + ":" + std::to_string(port) +
+                        " failed: " + detail::errno_text(errno));
+    detail::require(::listen(socket_.fd(), backlog) == 0, errc::transport_failure,
+                    "tcp_listener: listen failed: " + detail::errno_text(errno));
     detail::set_nonblocking(socket_.fd());
     sockaddr_in bound{};
     socklen_t len = sizeof bound;
@@ -266,7 +285,8 @@ class tcp_listener {
   [[nodiscard]] int fd() const noexcept { return socket_.fd(); }
 
   /// One incoming connection (non-blocking, configured), or errc::timeout.
-  tcp_socket accept(std::chrono::steady_clock::time_point deadline, const tcp_options& options = {}) {
+  tcp_socket accept(std::chrono::steady_clock::time_point deadline,
+                    const tcp_options& options = {}) {
     while (true) {
       const int fd = ::accept4(socket_.fd(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
       if (fd >= 0) {
@@ -276,8 +296,9 @@ class tcp_listener {
       if (errno == EINTR || errno == ECONNABORTED) continue;
       detail::require(errno == EAGAIN || errno == EWOULDBLOCK, errc::transport_failure,
                       "tcp_listener: accept failed: " + detail::errno_text(errno));
-      detail::require(detail::wait_fd(socket_.fd(), POLLIN, deadline), errc::timeout,
-                      "tcp_listener: no connection on port " + std::to_string(port_) + " before the deadline");
+      detail::require(
+          detail::wait_fd(socket_.fd(), POLLIN, deadline), errc::timeout,
+          "tcp_listener: no connection on port " + std::to_string(port_) + " before the deadline");
     }
   }
 
@@ -288,26 +309,31 @@ class tcp_listener {
 
 /// Connects to host:port before the deadline (a refused connection is retried
 /// every 10 ms until then, so the peer may start listening a little later).
-inline tcp_socket tcp_connect(const std::string& host, std::uint16_t port, std::chrono::steady_clock::time_point deadline,
+inline tcp_socket tcp_connect(const std::string& host, std::uint16_t port,
+                              std::chrono::steady_clock::time_point deadline,
                               const tcp_options& options = {}) {
   const sockaddr_in a = detail::resolve_ipv4(host, port);
   const std::string where = host + ":" + std::to_string(port);
   while (true) {
     tcp_socket s(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
-    detail::require(s.is_open(), errc::transport_failure, "tcp_connect: socket() failed: " + detail::errno_text(errno));
+    detail::require(s.is_open(), errc::transport_failure,
+                    "tcp_connect: socket() failed: " + detail::errno_text(errno));
     detail::configure_socket(s.fd(), options);
     int e = 0;
     if (::connect(s.fd(), reinterpret_cast<const sockaddr*>(&a), sizeof a) != 0) {
       e = errno;
       if (e == EINPROGRESS) {
-        detail::require(detail::wait_fd(s.fd(), POLLOUT, deadline), errc::timeout, "tcp_connect: " + where + " did not answer before the deadline");
+        detail::require(detail::wait_fd(s.fd(), POLLOUT, deadline), errc::timeout,
+                        "tcp_connect: " + where + " did not answer before the deadline");
         socklen_t len = sizeof e;
         ::getsockopt(s.fd(), SOL_SOCKET, SO_ERROR, &e, &len);
       }
     }
     if (e == 0) return s;
-    if (e != ECONNREFUSED) detail::fail(errc::transport_failure, "tcp_connect: " + where + ": " + detail::errno_text(e));
-    detail::require(std::chrono::steady_clock::now() + std::chrono::milliseconds(10) < deadline, errc::timeout,
+    if (e != ECONNREFUSED)
+      detail::fail(errc::transport_failure, "tcp_connect: " + where + ": " + detail::errno_text(e));
+    detail::require(std::chrono::steady_clock::now() + std::chrono::milliseconds(10) < deadline,
+                    errc::timeout,
                     "tcp_connect: " + where + " refused connections until the deadline");
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
@@ -315,11 +341,15 @@ inline tcp_socket tcp_connect(const std::string& host, std::uint16_t port, std::
 
 /// The connecting side of a link: one connection per lane, each announcing its
 /// lane in a hello frame. Returns the sockets in lane order.
-inline std::vector<tcp_socket> tcp_connect_lanes(const std::string& host, std::uint16_t port, int lanes,
-                                                 std::chrono::steady_clock::time_point deadline, const tcp_options& options = {}) {
-  detail::require(lanes == 1 || lanes == 2, errc::invalid_argument, "tcp_connect_lanes: " + std::to_string(lanes) + " lanes requested (1 or 2)");
+inline std::vector<tcp_socket> tcp_connect_lanes(const std::string& host, std::uint16_t port,
+                                                 int lanes,
+                                                 std::chrono::steady_clock::time_point deadline,
+                                                 const tcp_options& options = {}) {
+  detail::require(lanes == 1 || lanes == 2, errc::invalid_argument,
+                  "tcp_connect_lanes: " + std::to_string(lanes) + " lanes requested (1 or 2)");
   std::random_device entropy;
-  const std::uint64_t session = (std::uint64_t{entropy()} << 32) ^ entropy() ^ static_cast<std::uint64_t>(::getpid());
+  const std::uint64_t session =
+      (std::uint64_t{entropy()} << 32) ^ entropy() ^ static_cast<std::uint64_t>(::getpid());
   std::vector<tcp_socket> result;
   for (int l = 0; l < lanes; ++l) {
     tcp_socket s = tcp_connect(host, port, deadline, options);
@@ -335,22 +365,29 @@ inline std::vector<tcp_socket> tcp_connect_lanes(const std::string& host, std::u
 
 /// The accepting side: takes connections until every lane of one connector has
 /// said hello. Returns the sockets in lane order.
-inline std::vector<tcp_socket> tcp_accept_lanes(tcp_listener& listener, int lanes, std::chrono::steady_clock::time_point deadline,
+inline std::vector<tcp_socket> tcp_accept_lanes(tcp_listener& listener, int lanes,
+                                                std::chrono::steady_clock::time_point deadline,
                                                 const tcp_options& options = {}) {
-  detail::require(lanes == 1 || lanes == 2, errc::invalid_argument, "tcp_accept_lanes: " + std::to_string(lanes) + " lanes requested (1 or 2)");
+  detail::require(lanes == 1 || lanes == 2, errc::invalid_argument,
+                  "tcp_accept_lanes: " + std::to_string(lanes) + " lanes requested (1 or 2)");
   std::vector<tcp_socket> result(static_cast<std::size_t>(lanes));
   std::optional<std::uint64_t> session;
   for (int got = 0; got < lanes; ++got) {
     tcp_socket s = listener.accept(deadline, options);
     tcp_wire::hello h;
     detail::read_all(s.fd(), &h, sizeof h, deadline, "hello frame");
-    detail::require(h.magic == tcp_wire::hello_magic && h.version == tcp_wire::version, errc::transport_failure,
-                    "tcp_accept_lanes: the peer is not a Lynx TCP transport of version " + std::to_string(tcp_wire::version));
+    detail::require(h.magic == tcp_wire::hello_magic && h.version == tcp_wire::version,
+                    errc::transport_failure,
+                    "tcp_accept_lanes: the peer is not a Lynx TCP transport of version " +
+                        std::to_string(tcp_wire::version));
     detail::require(h.lanes == lanes && h.lane < lanes, errc::invalid_argument,
-                    "tcp_accept_lanes: the peer connects lane " + std::to_string(h.lane) + " of " + std::to_string(h.lanes) + ", this side expects " +
-                        std::to_string(lanes) + " lanes");
-    detail::require(!session || *session == h.session, errc::transport_failure, "tcp_accept_lanes: lanes of two different connectors");
-    detail::require(!result[h.lane].is_open(), errc::transport_failure, "tcp_accept_lanes: lane " + std::to_string(h.lane) + " connected twice");
+                    "tcp_accept_lanes: the peer connects lane " + std::to_string(h.lane) + " of " +
+                        std::to_string(h.lanes) + ", this side expects " + std::to_string(lanes) +
+                        " lanes");
+    detail::require(!session || *session == h.session, errc::transport_failure,
+                    "tcp_accept_lanes: lanes of two different connectors");
+    detail::require(!result[h.lane].is_open(), errc::transport_failure,
+                    "tcp_accept_lanes: lane " + std::to_string(h.lane) + " connected twice");
     session = h.session;
     result[h.lane] = std::move(s);
   }
@@ -366,8 +403,9 @@ class tcp_sender {
 
   /// Takes connected sockets in lane order (1 or 2), e.g. from tcp_connect_lanes.
   explicit tcp_sender(std::vector<tcp_socket> lanes, tcp_options options = {}) : options_(options) {
-    detail::require(lanes.size() == 1 || lanes.size() == 2, errc::invalid_argument,
-                    "tcp_sender: " + std::to_string(lanes.size()) + " connections given (1 or 2 lanes)");
+    detail::require(
+        lanes.size() == 1 || lanes.size() == 2, errc::invalid_argument,
+        "tcp_sender: " + std::to_string(lanes.size()) + " connections given (1 or 2 lanes)");
     for (auto& s : lanes) {
       detail::require(s.is_open(), errc::invalid_argument, "tcp_sender: a lane's socket is closed");
       detail::set_nonblocking(s.fd());
@@ -377,11 +415,13 @@ class tcp_sender {
     }
   }
   /// Connects `lanes` connections to a tcp_receiver's listener.
-  static tcp_sender connect(const std::string& host, std::uint16_t port, time_point deadline, tcp_options options = {}, int lanes = 2) {
+  static tcp_sender connect(const std::string& host, std::uint16_t port, time_point deadline,
+                            tcp_options options = {}, int lanes = 2) {
     return tcp_sender(tcp_connect_lanes(host, port, lanes, deadline, options), options);
   }
   /// Accepts `lanes` connections of a receiver that connects (either side may listen).
-  static tcp_sender accept(tcp_listener& listener, time_point deadline, tcp_options options = {}, int lanes = 2) {
+  static tcp_sender accept(tcp_listener& listener, time_point deadline, tcp_options options = {},
+                           int lanes = 2) {
     return tcp_sender(tcp_accept_lanes(listener, lanes, deadline, options), options);
   }
 
@@ -455,7 +495,8 @@ class tcp_sender {
     broken_ = status;
     last_error_ = std::move(why);
     const time_point at = clock::now();
-    for (const send_ticket t : undelivered_) events_.push_back({t, completion_kind::delivered, status, at});
+    for (const send_ticket t : undelivered_)
+      events_.push_back({t, completion_kind::delivered, status, at});
     undelivered_.clear();
     for (auto& l : lanes_) {
       l.queue.clear();
@@ -477,7 +518,8 @@ class tcp_sender {
     }
     const int ready = ::poll(fds, static_cast<nfds_t>(n), timeout_ms);
     if (ready < 0) {
-      if (errno != EINTR) fail(errc::transport_failure, "tcp_sender: poll failed: " + detail::errno_text(errno));
+      if (errno != EINTR)
+        fail(errc::transport_failure, "tcp_sender: poll failed: " + detail::errno_text(errno));
       return;
     }
     for (std::size_t i = 0; i < n && broken_ == errc::ok; ++i)
@@ -500,9 +542,11 @@ class tcp_sender {
       int count = 0;
       if (o.written < head) {
         iov[count++] = {reinterpret_cast<char*>(&o.frame) + o.written, head - o.written};
-        if (!o.bytes.empty()) iov[count++] = {const_cast<std::byte*>(o.bytes.data()), o.bytes.size()};
+        if (!o.bytes.empty())
+          iov[count++] = {const_cast<std::byte*>(o.bytes.data()), o.bytes.size()};
       } else {
-        iov[count++] = {const_cast<std::byte*>(o.bytes.data()) + (o.written - head), o.bytes.size() - (o.written - head)};
+        iov[count++] = {const_cast<std::byte*>(o.bytes.data()) + (o.written - head),
+                        o.bytes.size() - (o.written - head)};
       }
       msghdr msg{};
       msg.msg_iov = iov;
@@ -512,13 +556,15 @@ class tcp_sender {
         if (errno == EINTR) continue;
         if (errno == EAGAIN || errno == EWOULDBLOCK) return;
         const int e = errno;
-        fail(detail::socket_errc(e), "tcp_sender: writing lane " + std::to_string(lane) + " failed: " + detail::errno_text(e));
+        fail(detail::socket_errc(e), "tcp_sender: writing lane " + std::to_string(lane) +
+                                         " failed: " + detail::errno_text(e));
         return;
       }
       o.written += static_cast<std::size_t>(w);
       if (o.written == head + o.bytes.size()) {
         // The kernel holds every byte: the caller's buffer is no longer read.
-        events_.push_back({o.frame.ticket, completion_kind::buffer_reusable, errc::ok, clock::now()});
+        events_.push_back(
+            {o.frame.ticket, completion_kind::buffer_reusable, errc::ok, clock::now()});
         l.queue.pop_front();
       }
     }
@@ -527,7 +573,8 @@ class tcp_sender {
   void read_acks(std::size_t lane) {
     lane_state& l = lanes_[lane];
     while (true) {
-      const ssize_t r = ::recv(l.socket.fd(), reinterpret_cast<char*>(&l.ack) + l.ack_have, sizeof l.ack - l.ack_have, MSG_DONTWAIT);
+      const ssize_t r = ::recv(l.socket.fd(), reinterpret_cast<char*>(&l.ack) + l.ack_have,
+                               sizeof l.ack - l.ack_have, MSG_DONTWAIT);
       if (r == 0) {
         fail(errc::peer_failure, "tcp_sender: the receiver closed lane " + std::to_string(lane));
         return;
@@ -536,18 +583,21 @@ class tcp_sender {
         if (errno == EINTR) continue;
         if (errno == EAGAIN || errno == EWOULDBLOCK) return;
         const int e = errno;
-        fail(detail::socket_errc(e), "tcp_sender: reading lane " + std::to_string(lane) + " failed: " + detail::errno_text(e));
+        fail(detail::socket_errc(e), "tcp_sender: reading lane " + std::to_string(lane) +
+                                         " failed: " + detail::errno_text(e));
         return;
       }
       l.ack_have += static_cast<std::size_t>(r);
       if (l.ack_have < sizeof l.ack) continue;
       l.ack_have = 0;
       if (l.ack.magic != tcp_wire::ack_magic) {
-        fail(errc::transport_failure, "tcp_sender: lane " + std::to_string(lane) + " carried something other than an ack");
+        fail(errc::transport_failure,
+             "tcp_sender: lane " + std::to_string(lane) + " carried something other than an ack");
         return;
       }
       // An ack of a ticket already final (a segment duplicated in transit) is ignored.
-      if (undelivered_.erase(l.ack.ticket)) events_.push_back({l.ack.ticket, completion_kind::delivered, errc::ok, clock::now()});
+      if (undelivered_.erase(l.ack.ticket))
+        events_.push_back({l.ack.ticket, completion_kind::delivered, errc::ok, clock::now()});
     }
   }
 
@@ -568,11 +618,14 @@ class tcp_receiver {
   using clock = std::chrono::steady_clock;
   using time_point = clock::time_point;
 
-  explicit tcp_receiver(std::vector<tcp_socket> lanes, tcp_options options = {}) : options_(options) {
-    detail::require(lanes.size() == 1 || lanes.size() == 2, errc::invalid_argument,
-                    "tcp_receiver: " + std::to_string(lanes.size()) + " connections given (1 or 2 lanes)");
+  explicit tcp_receiver(std::vector<tcp_socket> lanes, tcp_options options = {})
+      : options_(options) {
+    detail::require(
+        lanes.size() == 1 || lanes.size() == 2, errc::invalid_argument,
+        "tcp_receiver: " + std::to_string(lanes.size()) + " connections given (1 or 2 lanes)");
     for (auto& s : lanes) {
-      detail::require(s.is_open(), errc::invalid_argument, "tcp_receiver: a lane's socket is closed");
+      detail::require(s.is_open(), errc::invalid_argument,
+                      "tcp_receiver: a lane's socket is closed");
       detail::set_nonblocking(s.fd());
       lane_state l;
       l.socket = std::move(s);
@@ -580,11 +633,13 @@ class tcp_receiver {
     }
   }
   /// Accepts the sender's `lanes` connections on a listener.
-  static tcp_receiver accept(tcp_listener& listener, time_point deadline, tcp_options options = {}, int lanes = 2) {
+  static tcp_receiver accept(tcp_listener& listener, time_point deadline, tcp_options options = {},
+                             int lanes = 2) {
     return tcp_receiver(tcp_accept_lanes(listener, lanes, deadline, options), options);
   }
   /// Connects to a sender that listens.
-  static tcp_receiver connect(const std::string& host, std::uint16_t port, time_point deadline, tcp_options options = {}, int lanes = 2) {
+  static tcp_receiver connect(const std::string& host, std::uint16_t port, time_point deadline,
+                              tcp_options options = {}, int lanes = 2) {
     return tcp_receiver(tcp_connect_lanes(host, port, lanes, deadline, options), options);
   }
 
@@ -609,7 +664,8 @@ class tcp_receiver {
         l.ready.pop_front();
         queue_ack(i, a.ticket);
         const std::uint64_t handle = next_handle_++;
-        received_segment<clock> seg{std::span<const std::byte>(a.bytes.data(), a.bytes.size()), static_cast<lane_index>(i), a.at, handle};
+        received_segment<clock> seg{std::span<const std::byte>(a.bytes.data(), a.bytes.size()),
+                                    static_cast<lane_index>(i), a.at, handle};
         held_.emplace(handle, std::move(a.bytes));  // the buffer's address survives the move
         flush_acks();
         return {errc::ok, seg};
@@ -659,7 +715,8 @@ class tcp_receiver {
     if (status == errc::corrupted_segment) {
       report_once_ = errc::corrupted_segment;
       broken_ = errc::transport_failure;
-      for (auto& l : lanes_) l.socket.shutdown();  // the sender must not wait for acks that cannot come
+      for (auto& l : lanes_)
+        l.socket.shutdown();  // the sender must not wait for acks that cannot come
     } else {
       broken_ = status;
     }
@@ -677,7 +734,8 @@ class tcp_receiver {
     for (std::size_t i = 0; i < lanes_.size() && broken_ == errc::ok; ++i) {
       lane_state& l = lanes_[i];
       while (l.acks_sent < l.acks.size()) {
-        const ssize_t w = ::send(l.socket.fd(), l.acks.data() + l.acks_sent, l.acks.size() - l.acks_sent, MSG_NOSIGNAL | MSG_DONTWAIT);
+        const ssize_t w = ::send(l.socket.fd(), l.acks.data() + l.acks_sent,
+                                 l.acks.size() - l.acks_sent, MSG_NOSIGNAL | MSG_DONTWAIT);
         if (w > 0) {
           l.acks_sent += static_cast<std::size_t>(w);
           continue;
@@ -685,7 +743,8 @@ class tcp_receiver {
         if (w < 0 && errno == EINTR) continue;
         if (w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
         const int e = errno;
-        fail(detail::socket_errc(e), "tcp_receiver: writing an ack on lane " + std::to_string(i) + " failed: " + detail::errno_text(e));
+        fail(detail::socket_errc(e), "tcp_receiver: writing an ack on lane " + std::to_string(i) +
+                                         " failed: " + detail::errno_text(e));
         return;
       }
       if (l.acks_sent == l.acks.size()) {
@@ -706,7 +765,8 @@ class tcp_receiver {
     }
     const int ready = ::poll(fds, static_cast<nfds_t>(n), timeout_ms);
     if (ready < 0) {
-      if (errno != EINTR) fail(errc::transport_failure, "tcp_receiver: poll failed: " + detail::errno_text(errno));
+      if (errno != EINTR)
+        fail(errc::transport_failure, "tcp_receiver: poll failed: " + detail::errno_text(errno));
       return;
     }
     flush_acks();
@@ -731,15 +791,17 @@ class tcp_receiver {
       if (want) {
         r = ::recv(l.socket.fd(), dst, want, MSG_DONTWAIT);
         if (r == 0) {
-          fail(errc::peer_failure, "tcp_receiver: the sender closed " + name +
-                                       (l.in_body || l.frame_have ? " in the middle of a segment" : ""));
+          fail(errc::peer_failure,
+               "tcp_receiver: the sender closed " + name +
+                   (l.in_body || l.frame_have ? " in the middle of a segment" : ""));
           return;
         }
         if (r < 0) {
           if (errno == EINTR) continue;
           if (errno == EAGAIN || errno == EWOULDBLOCK) return;
           const int e = errno;
-          fail(detail::socket_errc(e), "tcp_receiver: reading " + name + " failed: " + detail::errno_text(e));
+          fail(detail::socket_errc(e),
+               "tcp_receiver: reading " + name + " failed: " + detail::errno_text(e));
           return;
         }
       }
@@ -747,13 +809,16 @@ class tcp_receiver {
         l.frame_have += static_cast<std::size_t>(r);
         if (l.frame_have < sizeof l.frame) continue;
         if (l.frame.magic != tcp_wire::frame_magic) {
-          fail(errc::corrupted_segment, "tcp_receiver: " + name + ": damaged frame header (magic mismatch); the stream position is lost");
+          fail(errc::corrupted_segment,
+               "tcp_receiver: " + name +
+                   ": damaged frame header (magic mismatch); the stream position is lost");
           return;
         }
         if (l.frame.bytes > options_.max_segment_bytes) {
-          fail(errc::corrupted_segment, "tcp_receiver: " + name + ": a frame announces " + std::to_string(l.frame.bytes) +
-                                            " bytes, over the cap of " + std::to_string(options_.max_segment_bytes) +
-                                            " (tcp_options::max_segment_bytes)");
+          fail(errc::corrupted_segment,
+               "tcp_receiver: " + name + ": a frame announces " + std::to_string(l.frame.bytes) +
+                   " bytes, over the cap of " + std::to_string(options_.max_segment_bytes) +
+                   " (tcp_options::max_segment_bytes)");
           return;
         }
         l.body = aligned_buffer(static_cast<std::size_t>(l.frame.bytes));

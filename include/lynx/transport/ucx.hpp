@@ -61,8 +61,8 @@ struct ucx_options {
 
 namespace detail {
 
-inline constexpr unsigned ucx_segment_am_id = 21;  // sender -> receiver: a segment
-inline constexpr unsigned ucx_ack_am_id = 22;      // receiver -> sender: an ack
+inline constexpr unsigned ucx_segment_am_id = 21;                // sender -> receiver: a segment
+inline constexpr unsigned ucx_ack_am_id = 22;                    // receiver -> sender: an ack
 inline constexpr std::uint32_t ucx_segment_magic = 0x53554c58u;  // "XLUS"
 inline constexpr std::uint32_t ucx_ack_magic = 0x41554c58u;      // "XLUA"
 
@@ -79,7 +79,8 @@ struct ucx_ack_header {
 };
 
 inline void ucx_check(ucs_status_t s, const std::string& what) {
-  if (s != UCS_OK) fail(errc::transport_failure, "ucx: " + what + " failed: " + ucs_status_string(s));
+  if (s != UCS_OK)
+    fail(errc::transport_failure, "ucx: " + what + " failed: " + ucs_status_string(s));
 }
 
 /// Whether a UCX error means the other side is gone.
@@ -90,8 +91,10 @@ inline errc ucx_errc(ucs_status_t s) noexcept {
     case UCS_ERR_UNREACHABLE:
     case UCS_ERR_REJECTED:
     case UCS_ERR_CANCELED:
-    case UCS_ERR_NOT_CONNECTED: return errc::peer_failure;
-    default: return errc::transport_failure;
+    case UCS_ERR_NOT_CONNECTED:
+      return errc::peer_failure;
+    default:
+      return errc::transport_failure;
   }
 }
 
@@ -138,7 +141,9 @@ class ucx_worker {
     progress();
     const ucs_status_t s = ucp_worker_arm(worker_);
     if (s == UCS_ERR_BUSY) return;  // events arrived meanwhile: progress again
-    const auto left = std::chrono::ceil<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now()).count();
+    const auto left =
+        std::chrono::ceil<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now())
+            .count();
     pollfd p{efd_, POLLIN, 0};
     ::poll(&p, 1, static_cast<int>(std::clamp<std::int64_t>(left, 0, 50)));
     progress();
@@ -151,7 +156,9 @@ class ucx_worker {
     p.flags = force ? UCP_EP_CLOSE_FLAG_FORCE : 0;
     void* r = ucp_ep_close_nbx(ep, &p);
     if (r == nullptr || UCS_PTR_IS_ERR(r)) return;
-    while (ucp_request_check_status(r) == UCS_INPROGRESS && std::chrono::steady_clock::now() < deadline) wait(deadline);
+    while (ucp_request_check_status(r) == UCS_INPROGRESS &&
+           std::chrono::steady_clock::now() < deadline)
+      wait(deadline);
     if (ucp_request_check_status(r) == UCS_INPROGRESS) ucp_request_cancel(worker_, r);
     ucp_request_free(r);
   }
@@ -166,7 +173,8 @@ inline sockaddr_in ucx_ipv4(const std::string& host, std::uint16_t port) {
   sockaddr_in a{};
   a.sin_family = AF_INET;
   a.sin_port = htons(port);
-  require(::inet_pton(AF_INET, host.c_str(), &a.sin_addr) == 1, errc::invalid_argument, "ucx: '" + host + "' is not an IPv4 address");
+  require(::inet_pton(AF_INET, host.c_str(), &a.sin_addr) == 1, errc::invalid_argument,
+          "ucx: '" + host + "' is not an IPv4 address");
   return a;
 }
 
@@ -182,17 +190,21 @@ class ucx_sender {
   /// Connects `lanes` endpoints to a ucx_receiver listening at host:port and
   /// waits (flush) until they are wired up, before the deadline.
   ucx_sender(const std::string& host, std::uint16_t port, time_point deadline, int lanes = 2) {
-    detail::require(lanes == 1 || lanes == 2, errc::invalid_argument, "ucx_sender: " + std::to_string(lanes) + " lanes requested (1 or 2)");
+    detail::require(lanes == 1 || lanes == 2, errc::invalid_argument,
+                    "ucx_sender: " + std::to_string(lanes) + " lanes requested (1 or 2)");
     ucp_am_handler_param_t h{};
-    h.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG;
+    h.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
+                   UCP_AM_HANDLER_PARAM_FIELD_ARG;
     h.id = detail::ucx_ack_am_id;
     h.cb = &ucx_sender::on_ack;
     h.arg = this;
-    detail::ucx_check(ucp_worker_set_am_recv_handler(worker_.get(), &h), "ucp_worker_set_am_recv_handler");
+    detail::ucx_check(ucp_worker_set_am_recv_handler(worker_.get(), &h),
+                      "ucp_worker_set_am_recv_handler");
     const sockaddr_in a = detail::ucx_ipv4(host, port);
     for (int l = 0; l < lanes; ++l) {
       ucp_ep_params_t p{};
-      p.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER;
+      p.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR |
+                     UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER;
       p.flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER;
       p.sockaddr.addr = reinterpret_cast<const sockaddr*>(&a);
       p.sockaddr.addrlen = sizeof a;
@@ -200,23 +212,31 @@ class ucx_sender {
       p.err_handler.cb = &ucx_sender::on_error;
       p.err_handler.arg = this;
       ucp_ep_h ep = nullptr;
-      detail::ucx_check(ucp_ep_create(worker_.get(), &p, &ep), "ucp_ep_create to " + host + ":" + std::to_string(port));
+      detail::ucx_check(ucp_ep_create(worker_.get(), &p, &ep),
+                        "ucp_ep_create to " + host + ":" + std::to_string(port));
       eps_.push_back(ep);
     }
     // A flush completes once the endpoint is connected (or fails when it cannot be).
     for (ucp_ep_h ep : eps_) {
       ucp_request_param_t p{};
       void* r = ucp_ep_flush_nbx(ep, &p);
-      detail::require(!UCS_PTR_IS_ERR(r), detail::ucx_errc(UCS_PTR_STATUS(r)),
-                      std::string("ucx_sender: connecting failed: ") + ucs_status_string(UCS_PTR_STATUS(r)));
+      detail::require(
+          !UCS_PTR_IS_ERR(r), detail::ucx_errc(UCS_PTR_STATUS(r)),
+          std::string("ucx_sender: connecting failed: ") + ucs_status_string(UCS_PTR_STATUS(r)));
       if (r == nullptr) continue;
-      while (ucp_request_check_status(r) == UCS_INPROGRESS && clock::now() < deadline && broken_ == errc::ok) worker_.wait(deadline);
+      while (ucp_request_check_status(r) == UCS_INPROGRESS && clock::now() < deadline &&
+             broken_ == errc::ok)
+        worker_.wait(deadline);
       const ucs_status_t s = ucp_request_check_status(r);
       if (s == UCS_INPROGRESS) ucp_request_cancel(worker_.get(), r);
       ucp_request_free(r);
-      detail::require(s != UCS_INPROGRESS, errc::timeout, "ucx_sender: " + host + ":" + std::to_string(port) + " not connected before the deadline");
-      detail::require(s == UCS_OK && broken_ == errc::ok, s == UCS_OK ? broken_ : detail::ucx_errc(s),
-                      std::string("ucx_sender: connecting to ") + host + ":" + std::to_string(port) + " failed: " + ucs_status_string(s));
+      detail::require(s != UCS_INPROGRESS, errc::timeout,
+                      "ucx_sender: " + host + ":" + std::to_string(port) +
+                          " not connected before the deadline");
+      detail::require(s == UCS_OK && broken_ == errc::ok,
+                      s == UCS_OK ? broken_ : detail::ucx_errc(s),
+                      std::string("ucx_sender: connecting to ") + host + ":" +
+                          std::to_string(port) + " failed: " + ucs_status_string(s));
     }
   }
   ucx_sender(const ucx_sender&) = delete;
@@ -240,14 +260,15 @@ class ucx_sender {
     op->header.lane = request.lane;
     op->header.ticket = ticket;
     ucp_request_param_t p{};
-    p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+    p.op_attr_mask =
+        UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
     p.cb.send = &ucx_sender::on_sent;
     p.user_data = op.get();
     p.flags = UCP_AM_SEND_FLAG_REPLY;  // the receiver acks on the endpoint this came from
     pending_send* raw = op.get();
     pending_.emplace(ticket, std::move(op));
-    void* r = ucp_am_send_nbx(eps_[request.lane], detail::ucx_segment_am_id, &raw->header, sizeof raw->header, request.bytes.data(),
-                              request.bytes.size(), &p);
+    void* r = ucp_am_send_nbx(eps_[request.lane], detail::ucx_segment_am_id, &raw->header,
+                              sizeof raw->header, request.bytes.data(), request.bytes.size(), &p);
     if (UCS_PTR_IS_ERR(r)) {
       pending_.erase(ticket);
       const errc e = detail::ucx_errc(UCS_PTR_STATUS(r));
@@ -301,7 +322,8 @@ class ucx_sender {
   // Drops the record once it is final and UCX no longer holds its header.
   void retire(send_ticket ticket) {
     const auto it = pending_.find(ticket);
-    if (it != pending_.end() && it->second->final && it->second->request == nullptr) pending_.erase(it);
+    if (it != pending_.end() && it->second->final && it->second->request == nullptr)
+      pending_.erase(it);
   }
 
   static void on_sent(void* request, ucs_status_t status, void* user_data) {
@@ -311,15 +333,18 @@ class ucx_sender {
     ucp_request_free(request);
     op->request = nullptr;
     if (status == UCS_OK) {
-      if (!op->final && !op->reusable) self.events_.push_back({ticket, completion_kind::buffer_reusable, errc::ok, clock::now()});
+      if (!op->final && !op->reusable)
+        self.events_.push_back({ticket, completion_kind::buffer_reusable, errc::ok, clock::now()});
       op->reusable = true;
     } else {
-      self.fail(detail::ucx_errc(status), std::string("ucx_sender: a send failed: ") + ucs_status_string(status));
+      self.fail(detail::ucx_errc(status),
+                std::string("ucx_sender: a send failed: ") + ucs_status_string(status));
     }
     self.retire(ticket);
   }
 
-  static ucs_status_t on_ack(void* arg, const void* header, std::size_t header_length, void*, std::size_t, const ucp_am_recv_param_t*) {
+  static ucs_status_t on_ack(void* arg, const void* header, std::size_t header_length, void*,
+                             std::size_t, const ucp_am_recv_param_t*) {
     auto& self = *static_cast<ucx_sender*>(arg);
     detail::ucx_ack_header a;
     if (header_length != sizeof a) return UCS_OK;
@@ -334,7 +359,9 @@ class ucx_sender {
   }
 
   static void on_error(void* arg, ucp_ep_h, ucs_status_t status) {
-    static_cast<ucx_sender*>(arg)->fail(errc::peer_failure, std::string("ucx_sender: endpoint error: ") + ucs_status_string(status));
+    static_cast<ucx_sender*>(arg)->fail(
+        errc::peer_failure,
+        std::string("ucx_sender: endpoint error: ") + ucs_status_string(status));
   }
 
   detail::ucx_worker worker_;
@@ -354,15 +381,18 @@ class ucx_receiver {
   using clock = std::chrono::steady_clock;
   using time_point = clock::time_point;
 
-  explicit ucx_receiver(const std::string& host = "127.0.0.1", std::uint16_t port = 0, ucx_options options = {}) : options_(options) {
+  explicit ucx_receiver(const std::string& host = "127.0.0.1", std::uint16_t port = 0,
+                        ucx_options options = {})
+      : options_(options) {
     ucp_am_handler_param_t h{};
-    h.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG |
-                   UCP_AM_HANDLER_PARAM_FIELD_FLAGS;
+    h.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
+                   UCP_AM_HANDLER_PARAM_FIELD_ARG | UCP_AM_HANDLER_PARAM_FIELD_FLAGS;
     h.id = detail::ucx_segment_am_id;
     h.cb = &ucx_receiver::on_segment;
     h.arg = this;
     h.flags = UCP_AM_FLAG_WHOLE_MSG;
-    detail::ucx_check(ucp_worker_set_am_recv_handler(worker_.get(), &h), "ucp_worker_set_am_recv_handler");
+    detail::ucx_check(ucp_worker_set_am_recv_handler(worker_.get(), &h),
+                      "ucp_worker_set_am_recv_handler");
     const sockaddr_in a = detail::ucx_ipv4(host, port);
     ucp_listener_params_t p{};
     p.field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR | UCP_LISTENER_PARAM_FIELD_CONN_HANDLER;
@@ -370,7 +400,8 @@ class ucx_receiver {
     p.sockaddr.addrlen = sizeof a;
     p.conn_handler.cb = &ucx_receiver::on_connect;
     p.conn_handler.arg = this;
-    detail::ucx_check(ucp_listener_create(worker_.get(), &p, &listener_), "ucp_listener_create on " + host + ":" + std::to_string(port));
+    detail::ucx_check(ucp_listener_create(worker_.get(), &p, &listener_),
+                      "ucp_listener_create on " + host + ":" + std::to_string(port));
     ucp_listener_attr_t attr{};
     attr.field_mask = UCP_LISTENER_ATTR_FIELD_SOCKADDR;
     detail::ucx_check(ucp_listener_query(listener_, &attr), "ucp_listener_query");
@@ -391,7 +422,8 @@ class ucx_receiver {
   void accept(time_point deadline, int lanes = 2) {
     while (static_cast<int>(eps_.size()) < lanes) {
       detail::require(clock::now() < deadline, errc::timeout,
-                      "ucx_receiver: " + std::to_string(eps_.size()) + " of " + std::to_string(lanes) + " lanes connected by the deadline");
+                      "ucx_receiver: " + std::to_string(eps_.size()) + " of " +
+                          std::to_string(lanes) + " lanes connected by the deadline");
       worker_.wait(deadline);
     }
     lanes_ = lanes;
@@ -400,7 +432,8 @@ class ucx_receiver {
   [[nodiscard]] time_point now() const { return clock::now(); }
   [[nodiscard]] int lane_count() const noexcept { return lanes_; }
 
-  /// As tcp_receiver::try_receive: lane 0 first; failures after the segments that arrived before them.
+  /// As tcp_receiver::try_receive: lane 0 first; failures after the segments that arrived before
+  /// them.
   receive_result<clock> try_receive(time_point deadline) {
     while (true) {
       worker_.progress();
@@ -410,7 +443,8 @@ class ucx_receiver {
         lane.pop_front();
         send_ack(a.reply_ep, a.ticket);
         const std::uint64_t handle = next_handle_++;
-        received_segment<clock> seg{std::span<const std::byte>(a.bytes.data(), a.bytes.size()), a.lane, a.at, handle};
+        received_segment<clock> seg{std::span<const std::byte>(a.bytes.data(), a.bytes.size()),
+                                    a.lane, a.at, handle};
         held_.emplace(handle, std::move(a.bytes));
         return {errc::ok, seg};
       }
@@ -456,9 +490,12 @@ class ucx_receiver {
     p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
     p.cb.send = &ucx_receiver::on_ack_sent;
     p.user_data = op.get();
-    void* r = ucp_am_send_nbx(ep, detail::ucx_ack_am_id, &op->header, sizeof op->header, nullptr, 0, &p);
-    if (UCS_PTR_IS_ERR(r)) fail(detail::ucx_errc(UCS_PTR_STATUS(r)), "ucx_receiver: sending an ack failed");
-    else if (r != nullptr) op.release();  // freed by on_ack_sent
+    void* r =
+        ucp_am_send_nbx(ep, detail::ucx_ack_am_id, &op->header, sizeof op->header, nullptr, 0, &p);
+    if (UCS_PTR_IS_ERR(r))
+      fail(detail::ucx_errc(UCS_PTR_STATUS(r)), "ucx_receiver: sending an ack failed");
+    else if (r != nullptr)
+      op.release();  // freed by on_ack_sent
   }
 
   static void on_ack_sent(void* request, ucs_status_t, void* user_data) {
@@ -469,31 +506,40 @@ class ucx_receiver {
   static void on_connect(ucp_conn_request_h request, void* arg) {
     auto& self = *static_cast<ucx_receiver*>(arg);
     ucp_ep_params_t p{};
-    p.field_mask = UCP_EP_PARAM_FIELD_CONN_REQUEST | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER;
+    p.field_mask = UCP_EP_PARAM_FIELD_CONN_REQUEST | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                   UCP_EP_PARAM_FIELD_ERR_HANDLER;
     p.conn_request = request;
     p.err_mode = UCP_ERR_HANDLING_MODE_PEER;
     p.err_handler.cb = &ucx_receiver::on_error;
     p.err_handler.arg = &self;
     ucp_ep_h ep = nullptr;
-    if (ucp_ep_create(self.worker_.get(), &p, &ep) == UCS_OK) self.eps_.push_back(ep);
-    else self.fail(errc::transport_failure, "ucx_receiver: could not create the endpoint of a connection request");
+    if (ucp_ep_create(self.worker_.get(), &p, &ep) == UCS_OK)
+      self.eps_.push_back(ep);
+    else
+      self.fail(errc::transport_failure,
+                "ucx_receiver: could not create the endpoint of a connection request");
   }
 
   static void on_error(void* arg, ucp_ep_h, ucs_status_t status) {
-    static_cast<ucx_receiver*>(arg)->fail(errc::peer_failure, std::string("ucx_receiver: endpoint error: ") + ucs_status_string(status));
+    static_cast<ucx_receiver*>(arg)->fail(
+        errc::peer_failure,
+        std::string("ucx_receiver: endpoint error: ") + ucs_status_string(status));
   }
 
-  static ucs_status_t on_segment(void* arg, const void* header, std::size_t header_length, void* data, std::size_t length,
-                                 const ucp_am_recv_param_t* param) {
+  static ucs_status_t on_segment(void* arg, const void* header, std::size_t header_length,
+                                 void* data, std::size_t length, const ucp_am_recv_param_t* param) {
     auto& self = *static_cast<ucx_receiver*>(arg);
     const bool rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
     detail::ucx_segment_header h;
     if (header_length == sizeof h) std::memcpy(&h, header, sizeof h);
-    if (header_length != sizeof h || h.magic != detail::ucx_segment_magic || h.lane >= 2 || length > self.options_.max_segment_bytes) {
+    if (header_length != sizeof h || h.magic != detail::ucx_segment_magic || h.lane >= 2 ||
+        length > self.options_.max_segment_bytes) {
       if (rndv) ucp_am_data_release(self.worker_.get(), data);
       self.report_once_ = errc::corrupted_segment;
-      self.last_error_ = "ucx_receiver: a message of " + std::to_string(length) + " bytes with a " + std::to_string(header_length) +
-                         "-byte header is not a Lynx segment within the cap of " + std::to_string(self.options_.max_segment_bytes) + " bytes";
+      self.last_error_ = "ucx_receiver: a message of " + std::to_string(length) + " bytes with a " +
+                         std::to_string(header_length) +
+                         "-byte header is not a Lynx segment within the cap of " +
+                         std::to_string(self.options_.max_segment_bytes) + " bytes";
       return UCS_OK;
     }
     arrived a;
@@ -516,7 +562,8 @@ class ucx_receiver {
     p.user_data = in.get();
     void* r = ucp_am_recv_data_nbx(self.worker_.get(), data, in->segment.bytes.data(), length, &p);
     if (UCS_PTR_IS_ERR(r)) {
-      self.fail(detail::ucx_errc(UCS_PTR_STATUS(r)), "ucx_receiver: receiving a rendezvous segment failed");
+      self.fail(detail::ucx_errc(UCS_PTR_STATUS(r)),
+                "ucx_receiver: receiving a rendezvous segment failed");
       return UCS_OK;
     }
     if (r == nullptr) {  // completed at once
@@ -533,7 +580,9 @@ class ucx_receiver {
     ucp_request_free(request);
     ucx_receiver& self = *in->owner;
     if (status != UCS_OK) {
-      self.fail(detail::ucx_errc(status), std::string("ucx_receiver: a rendezvous receive failed: ") + ucs_status_string(status));
+      self.fail(
+          detail::ucx_errc(status),
+          std::string("ucx_receiver: a rendezvous receive failed: ") + ucs_status_string(status));
       return;
     }
     in->segment.at = clock::now();

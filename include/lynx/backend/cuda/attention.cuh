@@ -86,18 +86,29 @@ struct attention_launch_shape {
   std::int64_t n_queries = 0, q_heads = 1, kv_heads = 1, head_dim = 0;
   std::int64_t prompt_tokens = 0, max_tail_visible = 0;
   [[nodiscard]] std::int64_t group_heads() const { return q_heads / kv_heads; }
-  [[nodiscard]] std::int64_t prompt_chunks() const { return ceil_div(prompt_tokens, attention_chunk_tokens); }
-  [[nodiscard]] std::int64_t tail_chunks() const { return ceil_div(max_tail_visible, attention_chunk_tokens); }
+  [[nodiscard]] std::int64_t prompt_chunks() const {
+    return ceil_div(prompt_tokens, attention_chunk_tokens);
+  }
+  [[nodiscard]] std::int64_t tail_chunks() const {
+    return ceil_div(max_tail_visible, attention_chunk_tokens);
+  }
   [[nodiscard]] std::int64_t chunks() const { return prompt_chunks() + tail_chunks(); }
-  [[nodiscard]] std::int64_t pair_tiles() const { return ceil_div(n_queries * group_heads(), attention_pairs_per_cta); }
-  /// Partial states: (m, l) [n_queries][q_heads][chunks] as float2, then acc [n_queries][q_heads][chunks][head_dim].
-  [[nodiscard]] std::size_t state_pairs() const { return static_cast<std::size_t>(n_queries * q_heads * chunks()); }
+  [[nodiscard]] std::int64_t pair_tiles() const {
+    return ceil_div(n_queries * group_heads(), attention_pairs_per_cta);
+  }
+  /// Partial states: (m, l) [n_queries][q_heads][chunks] as float2, then acc
+  /// [n_queries][q_heads][chunks][head_dim].
+  [[nodiscard]] std::size_t state_pairs() const {
+    return static_cast<std::size_t>(n_queries * q_heads * chunks());
+  }
   [[nodiscard]] std::size_t workspace_bytes() const {
-    const std::size_t ml = static_cast<std::size_t>(align_up(static_cast<std::int64_t>(state_pairs() * 8), 256));
+    const std::size_t ml =
+        static_cast<std::size_t>(align_up(static_cast<std::int64_t>(state_pairs() * 8), 256));
     return ml + state_pairs() * static_cast<std::size_t>(head_dim) * 4 + 256;
   }
   [[nodiscard]] dim3 chunk_grid() const {
-    return dim3(static_cast<unsigned>(chunks()), static_cast<unsigned>(kv_heads), static_cast<unsigned>(pair_tiles()));
+    return dim3(static_cast<unsigned>(chunks()), static_cast<unsigned>(kv_heads),
+                static_cast<unsigned>(pair_tiles()));
   }
 };
 
@@ -112,13 +123,19 @@ inline constexpr int tile_stride = tokens_per_word + 1;  // floats per channel r
 /// Shared-memory layout of chunk_kernel for head_dim D, in floats.
 template <int D>
 struct attention_smem {
-  static constexpr int tile = 0;                                         // [D][33]: K or V of one block, [channel][token]
-  static constexpr int queries = (D * tile_stride + 3) & ~3;             // [D][8]: scaled queries, [channel][pair]
-  static constexpr int parts = queries + D * attention_pairs_per_cta;   // [8 eighths][8 pairs][32 tokens]
-  static constexpr int probs = parts + 8 * attention_pairs_per_cta * 32; // [32 tokens][8 pairs]: p of the block
-  static constexpr int alpha = probs + 32 * attention_pairs_per_cta;     // [8]: rescale of the pair's state
-  static constexpr int live = alpha + attention_pairs_per_cta;           // [8]: tokens of the block the pair sees (int)
-  static constexpr int first = live + attention_pairs_per_cta;           // [8]: first token of the block the pair sees (int)
+  static constexpr int tile = 0;  // [D][33]: K or V of one block, [channel][token]
+  static constexpr int queries =
+      (D * tile_stride + 3) & ~3;  // [D][8]: scaled queries, [channel][pair]
+  static constexpr int parts =
+      queries + D * attention_pairs_per_cta;  // [8 eighths][8 pairs][32 tokens]
+  static constexpr int probs =
+      parts + 8 * attention_pairs_per_cta * 32;  // [32 tokens][8 pairs]: p of the block
+  static constexpr int alpha =
+      probs + 32 * attention_pairs_per_cta;  // [8]: rescale of the pair's state
+  static constexpr int live =
+      alpha + attention_pairs_per_cta;  // [8]: tokens of the block the pair sees (int)
+  static constexpr int first =
+      live + attention_pairs_per_cta;  // [8]: first token of the block the pair sees (int)
   static constexpr int floats = first + attention_pairs_per_cta;
   static constexpr std::size_t bytes = static_cast<std::size_t>(floats) * 4;
 };
@@ -127,7 +144,7 @@ struct attention_smem {
 template <int Bits, int G>
 struct plane_source {
   plane_rows<const std::uint32_t> key_rows, value_rows;  // plane j of (head, block, channel)
-  const float* key_scale;    // [kv_heads][key_token_groups][head_dim]
+  const float* key_scale;                                // [kv_heads][key_token_groups][head_dim]
   const float* key_zero;
   const float* value_scale;  // [kv_heads][tokens][value_channel_groups]
   const float* value_zero;
@@ -146,8 +163,8 @@ struct dense_source {
 /// wider codes halfword fields (2 tokens per thread).
 template <int Bits>
 struct code_fields {
-  static constexpr int per_word = Bits <= 8 ? 4 : 2;            // tokens decoded per thread
-  static constexpr int lanes = tokens_per_word / per_word;      // token lanes: 8 or 16
+  static constexpr int per_word = Bits <= 8 ? 4 : 2;        // tokens decoded per thread
+  static constexpr int lanes = tokens_per_word / per_word;  // token lanes: 8 or 16
   static constexpr std::uint32_t replicate = Bits <= 8 ? 0x01010101u : 0x00010001u;
 };
 
@@ -158,23 +175,27 @@ __device__ __forceinline__ std::uint32_t magic_field(std::uint32_t code, int k) 
   if constexpr (Bits <= 8) {
     return __byte_perm(code, 0x4B000000u, 0x7540u | static_cast<std::uint32_t>(k));
   } else {
-    return __byte_perm(code, 0x4B000000u, 0x7400u | static_cast<std::uint32_t>((2 * k + 1) << 4 | (2 * k)));
+    return __byte_perm(code, 0x4B000000u,
+                       0x7400u | static_cast<std::uint32_t>((2 * k + 1) << 4 | (2 * k)));
   }
 }
 
 /// Stages block b (first context token t_base of the part, `valid` tokens
 /// present) of head h into tile[c][t]; tokens past `valid` are 0.
 template <bool Keys, int D, int Bits, int G>
-__device__ __forceinline__ void stage_block(const plane_source<Bits, G>& s, std::int64_t h, std::int64_t b, int valid, float* tile) {
+__device__ __forceinline__ void stage_block(const plane_source<Bits, G>& s, std::int64_t h,
+                                            std::int64_t b, int valid, float* tile) {
   using F = code_fields<Bits>;
   const plane_rows<const std::uint32_t>& rows = Keys ? s.key_rows : s.value_rows;
   constexpr int VG = G < D ? G : D;  // value group (channels); make_geometry's rule
   const std::int64_t t_base = b * tokens_per_word;
   for (int item = static_cast<int>(threadIdx.x); item < D * F::lanes; item += attention_threads) {
-    const int c = item % D, r = item / D;  // consecutive threads: consecutive channels' words (coalesced)
+    const int c = item % D,
+              r = item / D;  // consecutive threads: consecutive channels' words (coalesced)
     std::uint32_t code = 0;
     for (int j = 0; j < s.planes; ++j) {
-      const std::uint32_t w = __ldg(rows.base[j] + (h * s.blocks + b) * rows.head_block_stride[j] + c);
+      const std::uint32_t w =
+          __ldg(rows.base[j] + (h * s.blocks + b) * rows.head_block_stride[j] + c);
       // token r + lanes*k's bit (bit r + lanes*k of w) goes to bit Bits-1-j of field k
       const int pos = Bits - 1 - j;
       const std::uint32_t rot = __funnelshift_r(w, w, static_cast<unsigned>(r - pos) & 31u);
@@ -210,11 +231,14 @@ __device__ __forceinline__ void stage_block(const plane_source<Bits, G>& s, std:
 }
 
 template <bool Keys, int D, class T>
-__device__ __forceinline__ void stage_block(const dense_source<T>& s, std::int64_t h, std::int64_t b, int valid, float* tile) {
+__device__ __forceinline__ void stage_block(const dense_source<T>& s, std::int64_t h,
+                                            std::int64_t b, int valid, float* tile) {
   const kv_view<const T, device_space>& x = Keys ? s.keys : s.values;
   const std::int64_t t_base = b * tokens_per_word;
-  for (int item = static_cast<int>(threadIdx.x); item < D * tokens_per_word; item += attention_threads) {
-    const int c = item % D, t = item / D;  // consecutive threads: consecutive channels of a row (coalesced)
+  for (int item = static_cast<int>(threadIdx.x); item < D * tokens_per_word;
+       item += attention_threads) {
+    const int c = item % D,
+              t = item / D;  // consecutive threads: consecutive channels of a row (coalesced)
     tile[c * tile_stride + t] = t < valid ? to_float(x(t_base + t, h, c)) : 0.0f;
   }
 }
@@ -239,7 +263,8 @@ struct chunk_params {
 /// Sum of the 8 channel-eighth partials of a score: ((0+1)+(2+3))+((4+5)+(6+7)).
 __device__ __forceinline__ float sum_eighths(const float* p, int stride) {
   const float a = __fadd_rn(p[0], p[stride]), b = __fadd_rn(p[2 * stride], p[3 * stride]);
-  const float c = __fadd_rn(p[4 * stride], p[5 * stride]), d = __fadd_rn(p[6 * stride], p[7 * stride]);
+  const float c = __fadd_rn(p[4 * stride], p[5 * stride]),
+              d = __fadd_rn(p[6 * stride], p[7 * stride]);
   return __fadd_rn(__fadd_rn(a, b), __fadd_rn(c, d));
 }
 
@@ -261,13 +286,16 @@ __global__ void __launch_bounds__(attention_threads)
   const int tid = static_cast<int>(threadIdx.x), warp = tid / 32, lane = tid % 32;
   const int chunk = static_cast<int>(blockIdx.x);
   const std::int64_t g = blockIdx.y;
-  const std::int64_t pair0 = static_cast<std::int64_t>(blockIdx.z) * PT;  // first pair of the tile: pair = query * group_heads + head
+  const std::int64_t pair0 = static_cast<std::int64_t>(blockIdx.z) *
+                             PT;  // first pair of the tile: pair = query * group_heads + head
   const std::int64_t group_pairs = p.n_queries * p.group_heads;
   const int npairs = static_cast<int>(group_pairs - pair0 < PT ? group_pairs - pair0 : PT);
   const bool in_prompt = chunk < p.prompt_chunks;
-  const std::int64_t c0 = (in_prompt ? chunk : chunk - p.prompt_chunks) * attention_chunk_tokens;  // first token of the part
+  const std::int64_t c0 = (in_prompt ? chunk : chunk - p.prompt_chunks) *
+                          attention_chunk_tokens;  // first token of the part
   const std::int64_t part_end = in_prompt ? p.prompt_tokens : p.max_tail_visible;
-  const std::int64_t c1 = c0 + attention_chunk_tokens < part_end ? c0 + attention_chunk_tokens : part_end;
+  const std::int64_t c1 =
+      c0 + attention_chunk_tokens < part_end ? c0 + attention_chunk_tokens : part_end;
 
   // scaled queries, [channel][pair]; padding pairs 0
   for (int i = tid; i < D * PT; i += attention_threads) {
@@ -305,8 +333,10 @@ __global__ void __launch_bounds__(attention_threads)
     const std::int64_t b = tb / tokens_per_word;
     const int valid = static_cast<int>(c1 - tb < tokens_per_word ? c1 - tb : tokens_per_word);
     __syncthreads();  // previous block's value step is done with the tile
-    if (in_prompt) stage_block<true, D>(prompt, g, b, valid, tile);
-    else stage_block<true, D>(tail, g, b, valid, tile);
+    if (in_prompt)
+      stage_block<true, D>(prompt, g, b, valid, tile);
+    else
+      stage_block<true, D>(tail, g, b, valid, tile);
     __syncthreads();
 
     // scores: task (quad, eighth); lane = token; channels of the eighth in order
@@ -345,7 +375,8 @@ __global__ void __launch_bounds__(attention_threads)
         prob = seen ? attention_exp2(s2 - m_new) : 0.0f;
         float sum = prob;  // fixed tree: lane l += lane l + w, w = 16, 8, 4, 2, 1; lane 0's result
 #pragma unroll
-        for (int o = 16; o >= 1; o /= 2) sum = __fadd_rn(sum, __shfl_down_sync(0xffffffffu, sum, o));
+        for (int o = 16; o >= 1; o /= 2)
+          sum = __fadd_rn(sum, __shfl_down_sync(0xffffffffu, sum, o));
         sum = __shfl_sync(0xffffffffu, sum, 0);
         alpha = attention_exp2(m_run - m_new);  // m_run = -inf: 0
         l_run = __fmaf_rn(l_run, alpha, sum);
@@ -369,8 +400,10 @@ __global__ void __launch_bounds__(attention_threads)
     }
 
     // values of the block (the tile is free once the scores are in `parts`)
-    if (in_prompt) stage_block<false, D>(prompt, g, b, valid, tile);
-    else stage_block<false, D>(tail, g, b, valid, tile);
+    if (in_prompt)
+      stage_block<false, D>(prompt, g, b, valid, tile);
+    else
+      stage_block<false, D>(tail, g, b, valid, tile);
     __syncthreads();
 
 #pragma unroll
@@ -451,7 +484,8 @@ __global__ void __launch_bounds__(attention_threads)
 /// operations as merge_partial_state), normalizes, writes the log-sum-exp.
 /// Block: one thread per channel (every thread repeats the scalar m, l steps).
 template <int D>
-__global__ void __launch_bounds__(D < 32 ? 32 : D) combine_kernel(const float2* ml, const float* acc, int chunks, float* out, float* lse) {
+__global__ void __launch_bounds__(D < 32 ? 32 : D)
+    combine_kernel(const float2* ml, const float* acc, int chunks, float* out, float* lse) {
   const std::int64_t row = blockIdx.x;  // query * q_heads + head
   const int c = static_cast<int>(threadIdx.x);
   float m = attention_neg_inf, l = 0.0f, o = 0.0f;
@@ -509,15 +543,19 @@ inline bool compiled_head_dim(std::int64_t d) {
 
 /// Checks a call's shapes (throws lynx::error naming the values) and returns its launch shape.
 template <class TailT>
-attention_launch_shape check_call(std::int64_t prompt_tokens, std::int64_t prompt_kv_heads, std::int64_t prompt_head_dim, bool has_prompt,
-                                  const kv_view<const TailT, device_space>& tk, const kv_view<const TailT, device_space>& tv,
+attention_launch_shape check_call(std::int64_t prompt_tokens, std::int64_t prompt_kv_heads,
+                                  std::int64_t prompt_head_dim, bool has_prompt,
+                                  const kv_view<const TailT, device_space>& tk,
+                                  const kv_view<const TailT, device_space>& tv,
                                   const attention_queries& q, tail_visibility vis) {
   using lynx::detail::require;
   require(q.count >= 0 && q.q_heads >= 1 && q.head_dim >= 1, errc::shape_mismatch,
-          "cuda attention: queries need q_heads >= 1 and head_dim >= 1, got count=" + std::to_string(q.count) +
-              " q_heads=" + std::to_string(q.q_heads) + " head_dim=" + std::to_string(q.head_dim));
+          "cuda attention: queries need q_heads >= 1 and head_dim >= 1, got count=" +
+              std::to_string(q.count) + " q_heads=" + std::to_string(q.q_heads) +
+              " head_dim=" + std::to_string(q.head_dim));
   require(compiled_head_dim(q.head_dim), errc::shape_mismatch,
-          "cuda attention: head_dim " + std::to_string(q.head_dim) + " is not compiled (8, 64, 128 or 256)");
+          "cuda attention: head_dim " + std::to_string(q.head_dim) +
+              " is not compiled (8, 64, 128 or 256)");
   attention_launch_shape s;
   s.n_queries = q.count;
   s.q_heads = q.q_heads;
@@ -525,58 +563,71 @@ attention_launch_shape check_call(std::int64_t prompt_tokens, std::int64_t promp
   s.kv_heads = has_prompt ? prompt_kv_heads : tk.shape.kv_heads;
   s.prompt_tokens = has_prompt ? prompt_tokens : 0;
   s.max_tail_visible = q.count > 0 ? (vis(0) > vis(q.count - 1) ? vis(0) : vis(q.count - 1)) : 0;
-  require(s.kv_heads >= 1, errc::shape_mismatch, "cuda attention: no kv heads (no prompt and an empty tail view)");
+  require(s.kv_heads >= 1, errc::shape_mismatch,
+          "cuda attention: no kv heads (no prompt and an empty tail view)");
   if (has_prompt)
     require(prompt_head_dim == q.head_dim, errc::shape_mismatch,
-            "cuda attention: queries have head_dim " + std::to_string(q.head_dim) + " but the prompt has head_dim " +
-                std::to_string(prompt_head_dim));
+            "cuda attention: queries have head_dim " + std::to_string(q.head_dim) +
+                " but the prompt has head_dim " + std::to_string(prompt_head_dim));
   require(q.q_heads % s.kv_heads == 0, errc::shape_mismatch,
-          "cuda attention: q_heads " + std::to_string(q.q_heads) + " is not a multiple of kv_heads " + std::to_string(s.kv_heads));
+          "cuda attention: q_heads " + std::to_string(q.q_heads) +
+              " is not a multiple of kv_heads " + std::to_string(s.kv_heads));
   const bool tail_used = s.max_tail_visible > 0 || tk.shape.tokens > 0;
   if (tail_used) {
     require(tk.shape == tv.shape, errc::shape_mismatch,
-            "cuda attention: tail keys " + to_string(tk.shape) + " and tail values " + to_string(tv.shape) + " differ");
-    require(tk.shape.tokens == 0 || (tk.shape.kv_heads == s.kv_heads && tk.shape.head_dim == q.head_dim), errc::shape_mismatch,
-            "cuda attention: tail " + to_string(tk.shape) + " does not match kv_heads=" + std::to_string(s.kv_heads) +
+            "cuda attention: tail keys " + to_string(tk.shape) + " and tail values " +
+                to_string(tv.shape) + " differ");
+    require(tk.shape.tokens == 0 ||
+                (tk.shape.kv_heads == s.kv_heads && tk.shape.head_dim == q.head_dim),
+            errc::shape_mismatch,
+            "cuda attention: tail " + to_string(tk.shape) +
+                " does not match kv_heads=" + std::to_string(s.kv_heads) +
                 " and the queries' head_dim=" + std::to_string(q.head_dim));
   }
   if (q.count > 0) {
     const std::int64_t lo = vis(0) < vis(q.count - 1) ? vis(0) : vis(q.count - 1);
     require(lo >= 0 && s.max_tail_visible <= tk.shape.tokens, errc::shape_mismatch,
-            "cuda attention: queries see tail tokens up to " + std::to_string(s.max_tail_visible) + " (and at least " +
-                std::to_string(lo) + "), the tail holds " + std::to_string(tk.shape.tokens));
+            "cuda attention: queries see tail tokens up to " + std::to_string(s.max_tail_visible) +
+                " (and at least " + std::to_string(lo) + "), the tail holds " +
+                std::to_string(tk.shape.tokens));
     require(s.prompt_tokens + lo >= 1, errc::invalid_argument,
             "cuda attention: a query would see no token at all (no prompt, empty tail)");
   }
-  require(s.chunks() <= 0x7fffffff && s.kv_heads <= 65535 && s.pair_tiles() <= 65535, errc::shape_mismatch,
-          "cuda attention: " + std::to_string(s.chunks()) + " chunks x " + std::to_string(s.kv_heads) + " kv heads x " +
-              std::to_string(s.pair_tiles()) + " pair tiles exceed a CUDA grid");
+  require(s.chunks() <= 0x7fffffff && s.kv_heads <= 65535 && s.pair_tiles() <= 65535,
+          errc::shape_mismatch,
+          "cuda attention: " + std::to_string(s.chunks()) + " chunks x " +
+              std::to_string(s.kv_heads) + " kv heads x " + std::to_string(s.pair_tiles()) +
+              " pair tiles exceed a CUDA grid");
   return s;
 }
 
 /// Pointer checks of a launch (the sizing call may pass null data, as in CUB).
 template <class TailT>
-void check_pointers(const kv_view<const TailT, device_space>& tk, const kv_view<const TailT, device_space>& tv, const attention_queries& q,
+void check_pointers(const kv_view<const TailT, device_space>& tk,
+                    const kv_view<const TailT, device_space>& tv, const attention_queries& q,
                     const attention_output& out, const attention_launch_shape& s) {
-  lynx::detail::require(q.count == 0 || (q.data != nullptr && out.data != nullptr), errc::invalid_argument,
-                        "cuda attention: null query or output data");
-  lynx::detail::require(s.max_tail_visible == 0 || (tk.data != nullptr && tv.data != nullptr), errc::invalid_argument,
-                        "cuda attention: null tail data");
+  lynx::detail::require(q.count == 0 || (q.data != nullptr && out.data != nullptr),
+                        errc::invalid_argument, "cuda attention: null query or output data");
+  lynx::detail::require(s.max_tail_visible == 0 || (tk.data != nullptr && tv.data != nullptr),
+                        errc::invalid_argument, "cuda attention: null tail data");
 }
 
-inline void check_workspace(const void* workspace, std::size_t bytes, const attention_launch_shape& s) {
+inline void check_workspace(const void* workspace, std::size_t bytes,
+                            const attention_launch_shape& s) {
   lynx::detail::require(bytes >= s.workspace_bytes(), errc::invalid_argument,
-                        "cuda attention: workspace of " + std::to_string(bytes) + " bytes, this call needs " +
-                            std::to_string(s.workspace_bytes()));
-  lynx::detail::require(reinterpret_cast<std::uintptr_t>(workspace) % 16 == 0, errc::invalid_argument,
-                        "cuda attention: workspace is not 16-byte aligned");
+                        "cuda attention: workspace of " + std::to_string(bytes) +
+                            " bytes, this call needs " + std::to_string(s.workspace_bytes()));
+  lynx::detail::require(reinterpret_cast<std::uintptr_t>(workspace) % 16 == 0,
+                        errc::invalid_argument, "cuda attention: workspace is not 16-byte aligned");
 }
 
 template <class Variant>
 float soft_cap_of(const Variant& v) {
   if constexpr (Variant::has_logit_transform) {
-    static_assert(requires { v.cap; },
-                  "cuda attention: the only logit transform the kernels evaluate is a soft-cap; the variant needs a `cap` member");
+    static_assert(
+        requires { v.cap; },
+        "cuda attention: the only logit transform the kernels evaluate is a soft-cap; the variant "
+        "needs a `cap` member");
     return static_cast<float>(v.cap);
   } else {
     (void)v;
@@ -585,19 +636,25 @@ float soft_cap_of(const Variant& v) {
 }
 
 template <int D, class PromptSrc, class TailSrc>
-cudaError_t launch(const PromptSrc& prompt, const TailSrc& tail, const attention_launch_shape& s, chunk_params p, void* workspace,
-                   attention_output out, cudaStream_t stream) {
+cudaError_t launch(const PromptSrc& prompt, const TailSrc& tail, const attention_launch_shape& s,
+                   chunk_params p, void* workspace, attention_output out, cudaStream_t stream) {
   if (s.n_queries == 0) return cudaSuccess;
   auto* ml = static_cast<float2*>(workspace);
-  auto* acc = reinterpret_cast<float*>(static_cast<std::byte*>(workspace) + align_up(static_cast<std::int64_t>(s.state_pairs() * 8), 256));
+  auto* acc =
+      reinterpret_cast<float*>(static_cast<std::byte*>(workspace) +
+                               align_up(static_cast<std::int64_t>(s.state_pairs() * 8), 256));
   p.ml = ml;
   p.acc = acc;
   constexpr std::size_t smem = attention_smem<D>::bytes;
   if constexpr (smem > 48 * 1024)
-    LYNX_CUDA_TRY(cudaFuncSetAttribute(chunk_kernel<D, PromptSrc, TailSrc>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-  chunk_kernel<D, PromptSrc, TailSrc><<<s.chunk_grid(), attention_threads, smem, stream>>>(prompt, tail, p);
+    LYNX_CUDA_TRY(cudaFuncSetAttribute(chunk_kernel<D, PromptSrc, TailSrc>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       static_cast<int>(smem)));
+  chunk_kernel<D, PromptSrc, TailSrc>
+      <<<s.chunk_grid(), attention_threads, smem, stream>>>(prompt, tail, p);
   LYNX_CUDA_TRY(cudaGetLastError());
-  combine_kernel<D><<<static_cast<unsigned>(s.n_queries * s.q_heads), D < 32 ? 32 : D, 0, stream>>>(ml, acc, p.chunks, out.data, out.lse);
+  combine_kernel<D> < <<static_cast<unsigned>(s.n_queries * s.q_heads), D<32 ? 32 : D, 0, stream>>>(
+                          ml, acc, p.chunks, out.data, out.lse);
   return cudaGetLastError();
 }
 
@@ -606,9 +663,11 @@ cudaError_t launch(const PromptSrc& prompt, const TailSrc& tail, const attention
 /// The CUDA decode attention functor; Variant sets the softmax scale, soft-cap and window.
 template <class Variant = default_variant>
 class decode_attention {
-  static_assert(attention_variant<Variant>,
-                "cuda::decode_attention: Variant must model lynx::attention_variant: a nested `variant_tag`, "
-                "query_scale(int), a static constexpr bool has_logit_transform, transform_logit(float) and window()");
+  static_assert(
+      attention_variant<Variant>,
+      "cuda::decode_attention: Variant must model lynx::attention_variant: a nested `variant_tag`, "
+      "query_scale(int), a static constexpr bool has_logit_transform, transform_logit(float) and "
+      "window()");
 
  public:
   Variant variant{};
@@ -616,32 +675,43 @@ class decode_attention {
   /// Launch shape of a call (throws on bad shapes; data pointers are checked at launch):
   /// its workspace_bytes() is what the call needs.
   template <stream_plan_type Plan, int G, class TailT>
-  static attention_launch_shape shape_of(const bitplane_view<Plan, G, device_space>& prompt, kv_view<const TailT, device_space> tk,
-                                         kv_view<const TailT, device_space> tv, const attention_queries& q, tail_visibility vis) {
+  static attention_launch_shape shape_of(const bitplane_view<Plan, G, device_space>& prompt,
+                                         kv_view<const TailT, device_space> tk,
+                                         kv_view<const TailT, device_space> tv,
+                                         const attention_queries& q, tail_visibility vis) {
     lynx::detail::require(prompt.level >= 1, errc::invalid_argument,
-                          "cuda attention: prompt layer " + std::to_string(prompt.layer) + " has no anchor yet (precision level 0)");
-    return detail::check_call(prompt.geometry.tokens, prompt.geometry.kv_heads, prompt.geometry.head_dim, true, tk, tv, q, vis);
+                          "cuda attention: prompt layer " + std::to_string(prompt.layer) +
+                              " has no anchor yet (precision level 0)");
+    return detail::check_call(prompt.geometry.tokens, prompt.geometry.kv_heads,
+                              prompt.geometry.head_dim, true, tk, tv, q, vis);
   }
   template <class T, class TailT>
-  static attention_launch_shape shape_of(const dense_prompt<T>& prompt, kv_view<const TailT, device_space> tk,
-                                         kv_view<const TailT, device_space> tv, const attention_queries& q, tail_visibility vis) {
+  static attention_launch_shape shape_of(const dense_prompt<T>& prompt,
+                                         kv_view<const TailT, device_space> tk,
+                                         kv_view<const TailT, device_space> tv,
+                                         const attention_queries& q, tail_visibility vis) {
     lynx::detail::require(prompt.keys.shape == prompt.values.shape, errc::shape_mismatch,
-                          "cuda attention: prompt keys " + to_string(prompt.keys.shape) + " and values " + to_string(prompt.values.shape) +
-                              " differ");
-    lynx::detail::require(prompt.keys.shape.tokens == 0 || (prompt.keys.data != nullptr && prompt.values.data != nullptr),
+                          "cuda attention: prompt keys " + to_string(prompt.keys.shape) +
+                              " and values " + to_string(prompt.values.shape) + " differ");
+    lynx::detail::require(prompt.keys.shape.tokens == 0 ||
+                              (prompt.keys.data != nullptr && prompt.values.data != nullptr),
                           errc::invalid_argument, "cuda attention: null prompt data");
-    return detail::check_call(prompt.keys.shape.tokens, prompt.keys.shape.kv_heads, prompt.keys.shape.head_dim, prompt.keys.shape.tokens > 0,
-                              tk, tv, q, vis);
+    return detail::check_call(prompt.keys.shape.tokens, prompt.keys.shape.kv_heads,
+                              prompt.keys.shape.head_dim, prompt.keys.shape.tokens > 0, tk, tv, q,
+                              vis);
   }
 
   /// Bit-plane prompt at its view's precision level, plus the tail.
   /// workspace == nullptr: sets workspace_bytes, launches nothing.
   template <stream_plan_type Plan, int G, class TailT>
-  [[nodiscard]] cudaError_t operator()(void* workspace, std::size_t& workspace_bytes, const bitplane_view<Plan, G, device_space>& prompt,
-                                       kv_view<const TailT, device_space> tail_keys, kv_view<const TailT, device_space> tail_values,
-                                       const attention_queries& q, tail_visibility vis, attention_output out,
-                                       cudaStream_t stream = nullptr) const {
-    static_assert(std::is_same_v<TailT, float> || std::is_same_v<TailT, bf16>, "cuda::decode_attention: the tail holds float or bf16");
+  [[nodiscard]] cudaError_t operator()(void* workspace, std::size_t& workspace_bytes,
+                                       const bitplane_view<Plan, G, device_space>& prompt,
+                                       kv_view<const TailT, device_space> tail_keys,
+                                       kv_view<const TailT, device_space> tail_values,
+                                       const attention_queries& q, tail_visibility vis,
+                                       attention_output out, cudaStream_t stream = nullptr) const {
+    static_assert(std::is_same_v<TailT, float> || std::is_same_v<TailT, bf16>,
+                  "cuda::decode_attention: the tail holds float or bf16");
     const attention_launch_shape s = shape_of(prompt, tail_keys, tail_values, q, vis);
     if (workspace == nullptr) {
       workspace_bytes = s.workspace_bytes();
@@ -658,12 +728,16 @@ class decode_attention {
 
   /// Dense prompt (the 16-bit baseline), same structure and order of operations.
   template <class T, class TailT>
-  [[nodiscard]] cudaError_t operator()(void* workspace, std::size_t& workspace_bytes, const dense_prompt<T>& prompt,
-                                       kv_view<const TailT, device_space> tail_keys, kv_view<const TailT, device_space> tail_values,
-                                       const attention_queries& q, tail_visibility vis, attention_output out,
-                                       cudaStream_t stream = nullptr) const {
-    static_assert(std::is_same_v<T, float> || std::is_same_v<T, bf16>, "cuda::decode_attention: a dense prompt holds float or bf16");
-    static_assert(std::is_same_v<TailT, float> || std::is_same_v<TailT, bf16>, "cuda::decode_attention: the tail holds float or bf16");
+  [[nodiscard]] cudaError_t operator()(void* workspace, std::size_t& workspace_bytes,
+                                       const dense_prompt<T>& prompt,
+                                       kv_view<const TailT, device_space> tail_keys,
+                                       kv_view<const TailT, device_space> tail_values,
+                                       const attention_queries& q, tail_visibility vis,
+                                       attention_output out, cudaStream_t stream = nullptr) const {
+    static_assert(std::is_same_v<T, float> || std::is_same_v<T, bf16>,
+                  "cuda::decode_attention: a dense prompt holds float or bf16");
+    static_assert(std::is_same_v<TailT, float> || std::is_same_v<TailT, bf16>,
+                  "cuda::decode_attention: the tail holds float or bf16");
     const attention_launch_shape s = shape_of(prompt, tail_keys, tail_values, q, vis);
     if (workspace == nullptr) {
       workspace_bytes = s.workspace_bytes();
@@ -679,7 +753,8 @@ class decode_attention {
   }
 
  private:
-  detail::chunk_params params(const attention_launch_shape& s, const attention_queries& q, tail_visibility vis) const {
+  detail::chunk_params params(const attention_launch_shape& s, const attention_queries& q,
+                              tail_visibility vis) const {
     detail::chunk_params p{};
     p.queries = q.data;
     p.n_queries = s.n_queries;

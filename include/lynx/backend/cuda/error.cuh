@@ -14,7 +14,9 @@ namespace lynx::cuda {
 /// Throws lynx::error(cuda_error) when `status` is not cudaSuccess; `what` names the call.
 inline void check(cudaError_t status, const char* what) {
   if (status != cudaSuccess)
-    lynx::detail::fail(errc::cuda_error, std::string(what) + " failed: " + cudaGetErrorName(status) + " (" + cudaGetErrorString(status) + ")");
+    lynx::detail::fail(errc::cuda_error, std::string(what) +
+                                             " failed: " + cudaGetErrorName(status) + " (" +
+                                             cudaGetErrorString(status) + ")");
 }
 
 }  // namespace lynx::cuda
@@ -23,8 +25,8 @@ inline void check(cudaError_t status, const char* what) {
 #define LYNX_CUDA_CHECK(call) ::lynx::cuda::check((call), #call)
 
 /// Inside a function returning cudaError_t: returns the status of `call` when it failed.
-#define LYNX_CUDA_TRY(call)                         \
-  do {                                              \
-    const cudaError_t lynx_status_ = (call);        \
+#define LYNX_CUDA_TRY(call)                               \
+  do {                                                    \
+    const cudaError_t lynx_status_ = (call);              \
     if (lynx_status_ != cudaSuccess) return lynx_status_; \
   } while (0)

@@ -41,15 +41,18 @@ class device_buffer {
     void* p = nullptr;
     const cudaError_t status = cudaMalloc(&p, bytes);
     if (status == cudaErrorMemoryAllocation) {
-      (void)cudaGetLastError();  // an allocation failure is not sticky: clear it from cudaGetLastError
-      lynx::detail::fail(errc::out_of_memory, "cudaMalloc of " + std::to_string(bytes) + " bytes failed");
+      (void)cudaGetLastError();  // an allocation failure is not sticky: clear it from
+                                 // cudaGetLastError
+      lynx::detail::fail(errc::out_of_memory,
+                         "cudaMalloc of " + std::to_string(bytes) + " bytes failed");
     }
     check(status, "cudaMalloc");
     data_ = static_cast<std::byte*>(p);
   }
   device_buffer(const device_buffer&) = delete;
   device_buffer& operator=(const device_buffer&) = delete;
-  device_buffer(device_buffer&& other) noexcept : data_(std::exchange(other.data_, nullptr)), size_(std::exchange(other.size_, 0)) {}
+  device_buffer(device_buffer&& other) noexcept
+      : data_(std::exchange(other.data_, nullptr)), size_(std::exchange(other.size_, 0)) {}
   device_buffer& operator=(device_buffer&& other) noexcept {
     if (this != &other) {
       release();
@@ -67,7 +70,8 @@ class device_buffer {
 
  private:
   void release() noexcept {
-    if (data_ != nullptr) (void)cudaFree(data_);  // a destructor cannot report; cudaFree only fails on a dead context
+    if (data_ != nullptr)
+      (void)cudaFree(data_);  // a destructor cannot report; cudaFree only fails on a dead context
     data_ = nullptr;
     size_ = 0;
   }
@@ -92,10 +96,12 @@ class bitplane_tensor<Plan, G, device_space> : public detail::stream_ledger<Plan
   using view_type = bitplane_view<Plan, G, device_space>;
   static constexpr int group_size = G;
 
-  bitplane_tensor(kv_shape shape, std::uint32_t layer, std::uint64_t generation = 0, cudaStream_t stream = nullptr)
+  bitplane_tensor(kv_shape shape, std::uint32_t layer, std::uint64_t generation = 0,
+                  cudaStream_t stream = nullptr)
       : ledger(shape, layer, generation), stream_(stream) {
     for (int s = 0; s < Plan::streams; ++s)
-      storage_[static_cast<std::size_t>(s)] = cuda::device_buffer(static_cast<std::size_t>(this->geometry().payload_bytes(s)));
+      storage_[static_cast<std::size_t>(s)] =
+          cuda::device_buffer(static_cast<std::size_t>(this->geometry().payload_bytes(s)));
   }
 
   /// Validates a segment held in host memory (header + payload) and copies its
@@ -106,8 +112,8 @@ class bitplane_tensor<Plan, G, device_space> : public detail::stream_ledger<Plan
   accept_result accept(std::span<const std::byte> segment) {
     const auto a = this->admit(segment);
     if (a.duplicate) return accept_result::duplicate;
-    cuda::check(cudaMemcpyAsync(storage_[a.stream].data(), segment.data() + segment_header_bytes, storage_[a.stream].size(),
-                                cudaMemcpyHostToDevice, stream_),
+    cuda::check(cudaMemcpyAsync(storage_[a.stream].data(), segment.data() + segment_header_bytes,
+                                storage_[a.stream].size(), cudaMemcpyHostToDevice, stream_),
                 "cudaMemcpyAsync (segment payload to device)");
     this->record(a);
     return accept_result::accepted;
@@ -121,7 +127,8 @@ class bitplane_tensor<Plan, G, device_space> : public detail::stream_ledger<Plan
   accept_result accept_device(cuda::device_bytes segment) {
     std::vector<std::byte> staging(segment.size);
     if (segment.size != 0) {
-      cuda::check(cudaMemcpyAsync(staging.data(), segment.data, segment.size, cudaMemcpyDeviceToHost, stream_),
+      cuda::check(cudaMemcpyAsync(staging.data(), segment.data, segment.size,
+                                  cudaMemcpyDeviceToHost, stream_),
                   "cudaMemcpyAsync (device segment to host for validation)");
       cuda::check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
     }
@@ -137,7 +144,9 @@ class bitplane_tensor<Plan, G, device_space> : public detail::stream_ledger<Plan
   /// View at the current precision level (or a lower one); payload pointers are device pointers.
   [[nodiscard]] view_type view() const { return view_at(this->precision_level()); }
   [[nodiscard]] view_type view_at(int level) const {
-    return this->template make_view<device_space>(level, [&](int s) -> const std::byte* { return storage_[static_cast<std::size_t>(s)].data(); });
+    return this->template make_view<device_space>(level, [&](int s) -> const std::byte* {
+      return storage_[static_cast<std::size_t>(s)].data();
+    });
   }
 
  private:

@@ -163,6 +163,9 @@ void encode_into(kv_view<const T, host_space> keys, kv_view<const T, host_space>
       detail::parallel_for(options.threads, g.kv_heads * units, [&](std::int64_t i0, std::int64_t i1) {
         detail::simd::encode_scratch scratch;
         scratch.size_for(g);
+        std::int64_t segment_total = 0;
+        for (int st = 0; st < Plan::streams; ++st) segment_total += static_cast<std::int64_t>(out[static_cast<std::size_t>(st)].size());
+        scratch.stream = segment_total >= detail::simd::stream_store_min_bytes;
         for (std::int64_t i = i0; i < i1; ++i) {
           const std::int64_t h = i % g.kv_heads, u0 = (i / g.kv_heads) * unit, u1 = std::min<std::int64_t>(u0 + unit, g.tokens);
           detail::simd::next_rows<T> next{&keys, &values};
@@ -181,6 +184,7 @@ void encode_into(kv_view<const T, host_space> keys, kv_view<const T, host_space>
                                           value_scale + h * value_params_per_head, value_zero + h * value_params_per_head,
                                           plane_row(key_words), plane_row(value_words), next, scratch);
         }
+        _mm_sfence();  // order any non-temporal stores of plane words before the join and the checksums
       });
     } catch (const detail::simd::needs_portable_path&) {
       vector_path_done = false;

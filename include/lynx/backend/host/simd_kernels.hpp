@@ -238,6 +238,14 @@ LYNX_ALWAYS_INLINE __m512 reduce16(__m512 (&m)[16]) {
   return m[0];
 }
 
+/// Outputs (reconstructed K+V, or encoded segments) at least this large are written with non-temporal stores (where a
+/// 64-byte store is aligned): they would not stay in cache anyway, and
+/// streaming saves reading every output line before it is overwritten.
+#ifndef LYNX_STREAM_MIN_BYTES
+#define LYNX_STREAM_MIN_BYTES (std::int64_t{16} << 20)
+#endif
+inline constexpr std::int64_t stream_store_min_bytes = LYNX_STREAM_MIN_BYTES;
+
 // ---------------------------------------------------------------------------
 // Encode.
 
@@ -276,6 +284,7 @@ struct encode_scratch {
   aligned_buffer stage_hi_bytes, stage_lo_bytes;  // [head_dim / 16][8] vectors of code bytes of one block
   __m512i* stage_hi = nullptr;
   __m512i* stage_lo = nullptr;
+  bool stream = false;  // plane words with non-temporal stores (large segments)
   void size_for(const layer_geometry& g) {
     const std::int64_t D = g.head_dim;
     key_inv.resize(static_cast<std::size_t>(ceil_div(unit_tokens(g), g.key_group) * D));
@@ -306,15 +315,19 @@ LYNX_ALWAYS_INLINE void stage_codes(__m512i c0, __m512i c1, __m512i c2, __m512i 
 
 // Packs the staged code bytes of one block into plane words: planes [first, first + count)
 // of every chunk, written to plane_rows[first + j] + 16 q.
-inline void pack_stage(const __m512i* stage, std::int64_t D, int first, int count, std::uint32_t* const* plane_rows) {
+inline void pack_stage(const __m512i* stage, std::int64_t D, int first, int count, std::uint32_t* const* plane_rows, bool stream) {
   const __m512i transpose = _mm512_set1_epi64(planes_of_tokens);
+  for (int j = 0; j < count; ++j) stream = stream && (reinterpret_cast<std::uintptr_t>(plane_rows[first + j]) & 63) == 0;
   for (std::int64_t q = 0; q < D / 16; ++q) {
     __m512i v[8];
     for (int i = 0; i < 8; ++i) v[i] = stage[q * 8 + i];
     run_network(pack_gather, v);
     for (int i = 0; i < 8; ++i) v[i] = _mm512_gf2p8affine_epi64_epi8(transpose, v[i], 0);
     run_network(pack_scatter, v);
-    for (int j = 0; j < count; ++j) _mm512_storeu_si512(plane_rows[first + j] + 16 * q, v[j]);
+    if (stream)
+      for (int j = 0; j < count; ++j) _mm512_stream_si512(reinterpret_cast<__m512i*>(plane_rows[first + j] + 16 * q), v[j]);
+    else
+      for (int j = 0; j < count; ++j) _mm512_storeu_si512(plane_rows[first + j] + 16 * q, v[j]);
   }
 }
 
@@ -396,8 +409,8 @@ void encode_unit(const kv_view<const T, host_space>& keys, const kv_view<const T
       }
     }
     for (int j = 0; j < Bits; ++j) rows[j] = key_planes(b, j);
-    pack_stage(s.stage_hi, D, 0, 8, rows);
-    if constexpr (Bits > 8) pack_stage(s.stage_lo, D, 8, Bits - 8, rows);
+    pack_stage(s.stage_hi, D, 0, 8, rows, s.stream);
+    if constexpr (Bits > 8) pack_stage(s.stage_lo, D, 8, Bits - 8, rows, s.stream);
 
     // Value parameters: per token over groups of VG channels, 16 groups at a time.
     for (std::int64_t t = 0; t < tokens_per_word; ++t) next.prefetch_value_row(t0 - u0 + t);
@@ -477,8 +490,8 @@ void encode_unit(const kv_view<const T, host_space>& keys, const kv_view<const T
       }
     }
     for (int j = 0; j < Bits; ++j) rows[j] = value_planes(b, j);
-    pack_stage(s.stage_hi, D, 0, 8, rows);
-    if constexpr (Bits > 8) pack_stage(s.stage_lo, D, 8, Bits - 8, rows);
+    pack_stage(s.stage_hi, D, 0, 8, rows, s.stream);
+    if constexpr (Bits > 8) pack_stage(s.stage_lo, D, 8, Bits - 8, rows, s.stream);
   }
 }
 
@@ -538,13 +551,6 @@ LYNX_ALWAYS_INLINE void store32_bf16(bf16* p, __m512 lo, __m512 hi, bool stream)
 }
 #endif
 
-/// Outputs at least this large are written with non-temporal stores (where a
-/// 64-byte store is aligned): they would not stay in cache anyway, and
-/// streaming saves reading every output line before it is overwritten.
-#ifndef LYNX_STREAM_MIN_BYTES
-#define LYNX_STREAM_MIN_BYTES (std::int64_t{16} << 20)
-#endif
-inline constexpr std::int64_t stream_store_min_bytes = LYNX_STREAM_MIN_BYTES;
 
 /// Writes one output row (D elements) from x(q), the 16 floats of chunk q.
 template <class T, class Row>

@@ -149,10 +149,11 @@ class stream_ledger {
   /// A view at `level` whose stream s payload is payload_of(s) (absent streams: nullptr).
   template <memory_space Space, class PayloadOf>
   [[nodiscard]] bitplane_view<Plan, G, Space> make_view(int level, PayloadOf payload_of) const {
-    detail::require(level >= 0 && level <= precision_level(), errc::invalid_argument,
-                    "precision level " + std::to_string(level) + " requested for layer " +
-                        std::to_string(layer_) + ", which has " +
-                        std::to_string(precision_level()) + " stream(s)");
+    if (level < 0 || level > precision_level())  // per layer per decode step: no message on success
+      detail::fail(errc::invalid_argument, "precision level " + std::to_string(level) +
+                                               " requested for layer " + std::to_string(layer_) +
+                                               ", which has " + std::to_string(precision_level()) +
+                                               " stream(s)");
     bitplane_view<Plan, G, Space> v;
     v.geometry = geometry_;
     v.layer = layer_;

@@ -17,8 +17,8 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <cstdio>
+#include <cstdlib>
 #include <map>
 #include <memory>
 #include <random>
@@ -56,7 +56,8 @@ std::uint32_t stream_read(const std::byte* p, std::size_t bytes) {
     a2 = _mm512_add_epi32(a2, _mm512_load_si512(p + i + 128));
     a3 = _mm512_add_epi32(a3, _mm512_load_si512(p + i + 192));
   }
-  std::uint32_t s = static_cast<std::uint32_t>(_mm512_reduce_add_epi32(_mm512_add_epi32(_mm512_add_epi32(a0, a1), _mm512_add_epi32(a2, a3))));
+  std::uint32_t s = static_cast<std::uint32_t>(_mm512_reduce_add_epi32(
+      _mm512_add_epi32(_mm512_add_epi32(a0, a1), _mm512_add_epi32(a2, a3))));
 #else
   std::uint32_t s = 0;
   std::size_t i = 0;
@@ -111,7 +112,8 @@ class huge_page_array {
     const std::size_t bytes = (n * sizeof(T) + huge - 1) / huge * huge;
     data_.reset(static_cast<T*>(std::aligned_alloc(huge, bytes)));
 #if defined(__linux__)
-    madvise(data_.get(), bytes, MADV_HUGEPAGE);  // a hint: where THP is off this stays on small pages
+    madvise(data_.get(), bytes,
+            MADV_HUGEPAGE);  // a hint: where THP is off this stays on small pages
 #endif
     size_ = n;
   }
@@ -150,7 +152,8 @@ struct layer_data {
     }
     query.resize(static_cast<std::size_t>(q_heads * head_dim));
     for (auto& v : query) v = nd(gen);
-    const auto kv = lynx::token_major<const lynx::bf16>(keys.data(), shape), vv = lynx::token_major<const lynx::bf16>(values.data(), shape);
+    const auto kv = lynx::token_major<const lynx::bf16>(keys.data(), shape),
+               vv = lynx::token_major<const lynx::bf16>(values.data(), shape);
     const lynx::encode_options opt{0, 0};
     const auto e8 = lynx::encode<lynx::plan_8_4_4>(kv, vv, 0, opt);
     for (int s = 0; s < 2; ++s) t8.accept(e8.segment(s));
@@ -162,10 +165,14 @@ struct layer_data {
 enum class which { anchor_8_4_4, all_8_4_4, all_16_4_12, bf16_baseline };
 const char* case_name(which w) {
   switch (w) {
-    case which::anchor_8_4_4: return "anchor_8=4+4";
-    case which::all_8_4_4: return "all_8=4+4";
-    case which::all_16_4_12: return "all_16=4+12";
-    default: return "bf16_baseline";
+    case which::anchor_8_4_4:
+      return "anchor_8=4+4";
+    case which::all_8_4_4:
+      return "all_8=4+4";
+    case which::all_16_4_12:
+      return "all_16=4+12";
+    default:
+      return "bf16_baseline";
   }
 }
 
@@ -174,12 +181,17 @@ const char* case_name(which w) {
 std::size_t case_bytes(which w, std::int64_t T) {
   const std::int64_t blocks = (T + 31) / 32;
   const std::int64_t words_per_plane = 2 * kv_heads * blocks * head_dim;  // K and V
-  const std::int64_t params = 2 * (kv_heads * blocks * head_dim + kv_heads * T * (head_dim / 32)) * 4;  // scale + zero
+  const std::int64_t params =
+      2 * (kv_heads * blocks * head_dim + kv_heads * T * (head_dim / 32)) * 4;  // scale + zero
   switch (w) {
-    case which::anchor_8_4_4: return static_cast<std::size_t>(words_per_plane * 4 * 4 + params);
-    case which::all_8_4_4: return static_cast<std::size_t>(words_per_plane * 8 * 4 + params);
-    case which::all_16_4_12: return static_cast<std::size_t>(words_per_plane * 16 * 4 + params);
-    default: return static_cast<std::size_t>(2 * T * kv_heads * head_dim * 2);
+    case which::anchor_8_4_4:
+      return static_cast<std::size_t>(words_per_plane * 4 * 4 + params);
+    case which::all_8_4_4:
+      return static_cast<std::size_t>(words_per_plane * 8 * 4 + params);
+    case which::all_16_4_12:
+      return static_cast<std::size_t>(words_per_plane * 16 * 4 + params);
+    default:
+      return static_cast<std::size_t>(2 * T * kv_heads * head_dim * 2);
   }
 }
 
@@ -198,14 +210,16 @@ layer_data& layer(std::int64_t T) {
 void run_case(benchmark::State& state, which w, std::int64_t T, int threads) {
   layer_data& d = layer(T);
   const lynx::attention_queries q{d.query.data(), 1, q_heads, head_dim};
-  const lynx::kv_view<const float> no_tail{nullptr, {0, kv_heads, head_dim}, kv_heads * head_dim, head_dim, 1};
+  const lynx::kv_view<const float> no_tail{
+      nullptr, {0, kv_heads, head_dim}, kv_heads * head_dim, head_dim, 1};
   const lynx::tail_visibility vis{0, 0};
   std::vector<float> out(static_cast<std::size_t>(q_heads * head_dim));
   lynx::decode_attention<> attn;
   lynx::attention_workspace ws;
   const lynx::kv_shape shape{T, kv_heads, head_dim};
-  const lynx::dense_prompt<lynx::bf16> dense{lynx::token_major<const lynx::bf16>(d.keys.data(), shape),
-                                             lynx::token_major<const lynx::bf16>(d.values.data(), shape)};
+  const lynx::dense_prompt<lynx::bf16> dense{
+      lynx::token_major<const lynx::bf16>(d.keys.data(), shape),
+      lynx::token_major<const lynx::bf16>(d.values.data(), shape)};
   auto call = [&](const auto& prompt) {
     ws.reserve(attn.problem(prompt, no_tail, q, vis), threads);
     for (auto _ : state) {
@@ -215,30 +229,43 @@ void run_case(benchmark::State& state, which w, std::int64_t T, int threads) {
     }
   };
   switch (w) {
-    case which::anchor_8_4_4: call(d.t8.view_at(1)); break;
-    case which::all_8_4_4: call(d.t8.view()); break;
-    case which::all_16_4_12: call(d.t16.view()); break;
-    default: call(dense); break;
+    case which::anchor_8_4_4:
+      call(d.t8.view_at(1));
+      break;
+    case which::all_8_4_4:
+      call(d.t8.view());
+      break;
+    case which::all_16_4_12:
+      call(d.t16.view());
+      break;
+    default:
+      call(dense);
+      break;
   }
-  state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations()) * static_cast<std::int64_t>(case_bytes(w, T)));
+  state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations()) *
+                          static_cast<std::int64_t>(case_bytes(w, T)));
 }
 
 void run_memory_floor(benchmark::State& state, which w, std::int64_t T, int threads) {
   const std::size_t bytes = (case_bytes(w, T) + 255) / 256 * 256;
-  huge_page_array<std::byte> buf;  // the same pages as the dense cache: the floor is no slower for it
+  huge_page_array<std::byte>
+      buf;  // the same pages as the dense cache: the floor is no slower for it
   buf.resize(bytes);
   for (std::size_t i = 0; i < bytes; ++i) buf.data()[i] = static_cast<std::byte>(i * 131);
   const int n = threads <= 0 ? lynx::detail::hardware_threads() : threads;
   for (auto _ : state) {
     lynx::detail::parallel_for(n, n, [&](std::int64_t a, std::int64_t b) {
       for (std::int64_t t = a; t < b; ++t) {
-        const std::size_t lo = bytes / 256 * static_cast<std::size_t>(t) / static_cast<std::size_t>(n) * 256;
-        const std::size_t hi = bytes / 256 * static_cast<std::size_t>(t + 1) / static_cast<std::size_t>(n) * 256;
+        const std::size_t lo =
+            bytes / 256 * static_cast<std::size_t>(t) / static_cast<std::size_t>(n) * 256;
+        const std::size_t hi =
+            bytes / 256 * static_cast<std::size_t>(t + 1) / static_cast<std::size_t>(n) * 256;
         benchmark::DoNotOptimize(stream_read(buf.data() + lo, hi - lo));
       }
     });
   }
-  state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations()) * static_cast<std::int64_t>(bytes));
+  state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations()) *
+                          static_cast<std::int64_t>(bytes));
 }
 
 void run_compute_floor(benchmark::State& state, std::int64_t T, int threads) {
@@ -267,16 +294,21 @@ class table_reporter : public benchmark::ConsoleReporter {
   void ReportRuns(const std::vector<Run>& runs) override {
     for (const Run& r : runs)
       if (r.run_type == Run::RT_Iteration && !r.error_occurred)
-        note(r.benchmark_name(), r.GetAdjustedRealTime() * (r.time_unit == benchmark::kMillisecond ? 1.0 : r.time_unit == benchmark::kMicrosecond ? 1e-3 : 1e-6));
+        note(r.benchmark_name(),
+             r.GetAdjustedRealTime() * (r.time_unit == benchmark::kMillisecond   ? 1.0
+                                        : r.time_unit == benchmark::kMicrosecond ? 1e-3
+                                                                                 : 1e-6));
     ConsoleReporter::ReportRuns(runs);
   }
 };
 
 std::string name(const char* kind, const char* what, std::int64_t T, int threads) {
-  return std::string(kind) + "/" + what + "/T:" + std::to_string(T) + "/threads:" + std::to_string(threads);
+  return std::string(kind) + "/" + what + "/T:" + std::to_string(T) +
+         "/threads:" + std::to_string(threads);
 }
 std::string key(const char* kind, const char* name, std::int64_t T, int threads) {
-  return std::string(kind) + "/" + name + "/T:" + std::to_string(T) + "/threads:" + std::to_string(threads) + "/real_time";
+  return std::string(kind) + "/" + name + "/T:" + std::to_string(T) +
+         "/threads:" + std::to_string(threads) + "/real_time";
 }
 
 }  // namespace
@@ -286,11 +318,13 @@ int main(int argc, char** argv) {
   std::vector<int> thread_counts{1};
   if (all > 1) thread_counts.push_back(all);
   const std::vector<std::int64_t> contexts{4096, 32768};
-  const which cases[] = {which::anchor_8_4_4, which::all_8_4_4, which::all_16_4_12, which::bf16_baseline};
+  const which cases[] = {which::anchor_8_4_4, which::all_8_4_4, which::all_16_4_12,
+                         which::bf16_baseline};
   for (std::int64_t T : contexts)
     for (int th : thread_counts) {
       for (which w : cases) {
-        benchmark::RegisterBenchmark(name("attention", case_name(w), T, th).c_str(), [=](benchmark::State& s) { run_case(s, w, T, th); })
+        benchmark::RegisterBenchmark(name("attention", case_name(w), T, th).c_str(),
+                                     [=](benchmark::State& s) { run_case(s, w, T, th); })
             ->Unit(benchmark::kMillisecond)
             ->UseRealTime();
         benchmark::RegisterBenchmark(name("floor_memory", case_name(w), T, th).c_str(),
@@ -298,7 +332,8 @@ int main(int argc, char** argv) {
             ->Unit(benchmark::kMillisecond)
             ->UseRealTime();
       }
-      benchmark::RegisterBenchmark(name("floor_compute", "fma", T, th).c_str(), [=](benchmark::State& s) { run_compute_floor(s, T, th); })
+      benchmark::RegisterBenchmark(name("floor_compute", "fma", T, th).c_str(),
+                                   [=](benchmark::State& s) { run_compute_floor(s, T, th); })
           ->Unit(benchmark::kMillisecond)
           ->UseRealTime();
     }
@@ -307,9 +342,12 @@ int main(int argc, char** argv) {
   benchmark::RunSpecifiedBenchmarks(&reporter);
   benchmark::Shutdown();
 
-  std::printf("\nDecode attention, 1 query, %lld q heads, %lld kv heads, head_dim %lld (times in ms)\n",
-              static_cast<long long>(q_heads), static_cast<long long>(kv_heads), static_cast<long long>(head_dim));
-  std::printf("%-15s %7s %7s %9s %9s %9s %12s %9s\n", "case", "tokens", "threads", "time", "memory", "compute", "x floor", "vs bf16");
+  std::printf(
+      "\nDecode attention, 1 query, %lld q heads, %lld kv heads, head_dim %lld (times in ms)\n",
+      static_cast<long long>(q_heads), static_cast<long long>(kv_heads),
+      static_cast<long long>(head_dim));
+  std::printf("%-15s %7s %7s %9s %9s %9s %12s %9s\n", "case", "tokens", "threads", "time", "memory",
+              "compute", "x floor", "vs bf16");
   for (std::int64_t T : contexts)
     for (int th : thread_counts) {
       const auto find = [&](const std::string& k) {
@@ -323,8 +361,8 @@ int main(int argc, char** argv) {
         const double mem = find(key("floor_memory", case_name(w), T, th));
         if (std::isnan(t)) continue;
         const double floor = std::max(mem, compute);
-        std::printf("%-15s %7lld %7d %9.3f %9.3f %9.3f %11.2fx %8.2fx\n", case_name(w), static_cast<long long>(T), th, t, mem, compute,
-                    t / floor, t / bf16_ms);
+        std::printf("%-15s %7lld %7d %9.3f %9.3f %9.3f %11.2fx %8.2fx\n", case_name(w),
+                    static_cast<long long>(T), th, t, mem, compute, t / floor, t / bf16_ms);
       }
     }
   return 0;

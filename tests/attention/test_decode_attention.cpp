@@ -24,13 +24,16 @@ struct rng {
 };
 
 // K with per-channel offsets (outlier channels), V plain: [tokens][kv_heads][head_dim].
-std::vector<float> make_kv(std::int64_t tokens, std::int64_t kv_heads, std::int64_t D, unsigned seed, bool keys) {
+std::vector<float> make_kv(std::int64_t tokens, std::int64_t kv_heads, std::int64_t D,
+                           unsigned seed, bool keys) {
   rng r(seed);
   std::vector<float> offset(static_cast<std::size_t>(kv_heads * D));
   for (auto& o : offset) o = keys ? r.normal(2.0f) : 0.0f;
   std::vector<float> x(static_cast<std::size_t>(tokens * kv_heads * D));
   for (std::int64_t t = 0; t < tokens; ++t)
-    for (std::int64_t i = 0; i < kv_heads * D; ++i) x[static_cast<std::size_t>(t * kv_heads * D + i)] = offset[static_cast<std::size_t>(i)] + r.normal();
+    for (std::int64_t i = 0; i < kv_heads * D; ++i)
+      x[static_cast<std::size_t>(t * kv_heads * D + i)] =
+          offset[static_cast<std::size_t>(i)] + r.normal();
   return x;
 }
 
@@ -53,10 +56,12 @@ struct reference_result {
 //   value sums    (n_split + D + 8) u * max|v| (fp32 sums over <= 1024 tokens, fold offsets)
 // so |out - ref| <= max|v| * (2 * 2 * max|ds| + (1024 + D + 16 + 8 * splits) u), times 2 for slack.
 template <class TailT>
-reference_result reference(const std::vector<float>& pk, const std::vector<float>& pv, std::int64_t prompt_tokens,
-                           const std::vector<TailT>& tk, const std::vector<TailT>& tv, std::int64_t kv_heads, std::int64_t D,
-                           const std::vector<float>& q, std::int64_t n, std::int64_t qh, lynx::tail_visibility vis, double scale,
-                           std::int64_t window = 0, double cap = 0.0) {
+reference_result reference(const std::vector<float>& pk, const std::vector<float>& pv,
+                           std::int64_t prompt_tokens, const std::vector<TailT>& tk,
+                           const std::vector<TailT>& tv, std::int64_t kv_heads, std::int64_t D,
+                           const std::vector<float>& q, std::int64_t n, std::int64_t qh,
+                           lynx::tail_visibility vis, double scale, std::int64_t window = 0,
+                           double cap = 0.0) {
   const double u = std::ldexp(1.0, -24);
   reference_result r;
   r.out.assign(static_cast<std::size_t>(n * qh * D), 0.0);
@@ -78,8 +83,10 @@ reference_result reference(const std::vector<float>& pk, const std::vector<float
         if (t < first) continue;
         double dot = 0.0, mag = 0.0;
         for (std::int64_t c = 0; c < D; ++c) {
-          const double k = t < prompt_tokens ? pk[static_cast<std::size_t>((t * kv_heads + g) * D + c)]
-                                             : static_cast<double>(lynx::to_float(tk[static_cast<std::size_t>(((t - prompt_tokens) * kv_heads + g) * D + c)]));
+          const double k = t < prompt_tokens
+                               ? pk[static_cast<std::size_t>((t * kv_heads + g) * D + c)]
+                               : static_cast<double>(lynx::to_float(tk[static_cast<std::size_t>(
+                                     ((t - prompt_tokens) * kv_heads + g) * D + c)]));
           dot += qv[c] * k;
           mag += std::abs(qv[c] * k);
         }
@@ -87,7 +94,8 @@ reference_result reference(const std::vector<float>& pk, const std::vector<float
         if (cap > 0) dot = cap * std::tanh(dot / cap);
         s.push_back(dot);
         pos.push_back(t);
-        max_ds = std::max(max_ds, (static_cast<double>(D) + 4.0) * u * mag * scale * 4.0 + 4 * u * std::abs(dot));
+        max_ds = std::max(
+            max_ds, (static_cast<double>(D) + 4.0) * u * mag * scale * 4.0 + 4 * u * std::abs(dot));
       }
       const double m = *std::max_element(s.begin(), s.end());
       double l = 0.0;
@@ -95,33 +103,40 @@ reference_result reference(const std::vector<float>& pk, const std::vector<float
       for (std::size_t k = 0; k < s.size(); ++k) {
         const std::int64_t t = pos[k];
         for (std::int64_t c = 0; c < D; ++c) {
-          const double v = t < prompt_tokens ? pv[static_cast<std::size_t>((t * kv_heads + g) * D + c)]
-                                             : static_cast<double>(lynx::to_float(tv[static_cast<std::size_t>(((t - prompt_tokens) * kv_heads + g) * D + c)]));
+          const double v = t < prompt_tokens
+                               ? pv[static_cast<std::size_t>((t * kv_heads + g) * D + c)]
+                               : static_cast<double>(lynx::to_float(tv[static_cast<std::size_t>(
+                                     ((t - prompt_tokens) * kv_heads + g) * D + c)]));
           max_v = std::max(max_v, std::abs(v));
           r.out[static_cast<std::size_t>((i * qh + h) * D + c)] += s[k] / l * v;
         }
       }
       r.lse[static_cast<std::size_t>(i * qh + h)] = m + std::log(l);
       const double splits = std::ceil(static_cast<double>(total) / 1024.0) + 1;
-      r.tol[static_cast<std::size_t>(i * qh + h)] = 2.0 * max_v * (4.0 * max_ds + (1024.0 + D + 16.0 + 8.0 * splits) * u) + 1e-30;
+      r.tol[static_cast<std::size_t>(i * qh + h)] =
+          2.0 * max_v * (4.0 * max_ds + (1024.0 + D + 16.0 + 8.0 * splits) * u) + 1e-30;
     }
   return r;
 }
 
 template <class Plan, int G = 32>
-lynx::bitplane_tensor<Plan, G> make_tensor(const std::vector<float>& k, const std::vector<float>& v, lynx::kv_shape shape, int level) {
-  const auto enc = lynx::encode<Plan, G>(lynx::token_major<const float>(k.data(), shape), lynx::token_major<const float>(v.data(), shape), 0);
+lynx::bitplane_tensor<Plan, G> make_tensor(const std::vector<float>& k, const std::vector<float>& v,
+                                           lynx::kv_shape shape, int level) {
+  const auto enc = lynx::encode<Plan, G>(lynx::token_major<const float>(k.data(), shape),
+                                         lynx::token_major<const float>(v.data(), shape), 0);
   lynx::bitplane_tensor<Plan, G> t(shape, 0);
   for (int s = 0; s < level; ++s) t.accept(enc.segment(s));
   return t;
 }
 
 template <class Plan, int G>
-void reconstructed(const lynx::bitplane_tensor<Plan, G>& t, std::vector<float>& k, std::vector<float>& v) {
+void reconstructed(const lynx::bitplane_tensor<Plan, G>& t, std::vector<float>& k,
+                   std::vector<float>& v) {
   const lynx::kv_shape shape = t.shape();
   k.resize(static_cast<std::size_t>(shape.elements()));
   v.resize(k.size());
-  lynx::reconstruct(t, lynx::token_major<float>(k.data(), shape), lynx::token_major<float>(v.data(), shape));
+  lynx::reconstruct(t, lynx::token_major<float>(k.data(), shape),
+                    lynx::token_major<float>(v.data(), shape));
 }
 
 template <class TailT>
@@ -132,32 +147,40 @@ std::vector<TailT> to_tail(const std::vector<float>& x) {
 }
 
 template <class Prompt, class TailT, class Variant = lynx::default_variant>
-std::vector<float> run_attention(const Prompt& prompt, const std::vector<TailT>& tk, const std::vector<TailT>& tv, std::int64_t tail_tokens,
-                                 std::int64_t kv_heads, std::int64_t D, const float* q, std::int64_t n, std::int64_t qh,
-                                 lynx::tail_visibility vis, int threads, lynx::attention_path path, std::vector<float>* lse = nullptr,
-                                 Variant variant = {}) {
+std::vector<float> run_attention(const Prompt& prompt, const std::vector<TailT>& tk,
+                                 const std::vector<TailT>& tv, std::int64_t tail_tokens,
+                                 std::int64_t kv_heads, std::int64_t D, const float* q,
+                                 std::int64_t n, std::int64_t qh, lynx::tail_visibility vis,
+                                 int threads, lynx::attention_path path,
+                                 std::vector<float>* lse = nullptr, Variant variant = {}) {
   const lynx::kv_shape ts{tail_tokens, kv_heads, D};
-  const auto tkv = lynx::token_major<const TailT>(tk.data(), ts), tvv = lynx::token_major<const TailT>(tv.data(), ts);
+  const auto tkv = lynx::token_major<const TailT>(tk.data(), ts),
+             tvv = lynx::token_major<const TailT>(tv.data(), ts);
   const lynx::attention_queries queries{q, n, qh, D};
   lynx::decode_attention<Variant> attn{variant};
   lynx::attention_workspace ws(attn.problem(prompt, tkv, queries, vis), threads);
   std::vector<float> out(static_cast<std::size_t>(n * qh * D), -1.0f);
   if (lse) lse->assign(static_cast<std::size_t>(n * qh), 0.0f);
-  attn(prompt, tkv, tvv, queries, vis, {out.data(), lse ? lse->data() : nullptr}, ws, {threads, path});
+  attn(prompt, tkv, tvv, queries, vis, {out.data(), lse ? lse->data() : nullptr}, ws,
+       {threads, path});
   return out;
 }
 
-void check_close(const std::vector<float>& out, const reference_result& ref, std::int64_t D, const std::string& what) {
+void check_close(const std::vector<float>& out, const reference_result& ref, std::int64_t D,
+                 const std::string& what) {
   double worst = 0.0;
   for (std::size_t i = 0; i < out.size(); ++i) {
-    const double err = std::abs(out[i] - ref.out[i]), tol = ref.tol[i / static_cast<std::size_t>(D)];
+    const double err = std::abs(out[i] - ref.out[i]),
+                 tol = ref.tol[i / static_cast<std::size_t>(D)];
     worst = std::max(worst, err / tol);
   }
   INFO(what << ": worst error / tolerance = " << worst);
   CHECK(worst <= 1.0);
 }
 
-bool same_bits(const std::vector<float>& a, const float* b, std::size_t n) { return std::memcmp(a.data(), b, n * sizeof(float)) == 0; }
+bool same_bits(const std::vector<float>& a, const float* b, std::size_t n) {
+  return std::memcmp(a.data(), b, n * sizeof(float)) == 0;
+}
 
 std::vector<lynx::attention_path> paths() {
   std::vector<lynx::attention_path> p{lynx::attention_path::portable};
@@ -166,11 +189,13 @@ std::vector<lynx::attention_path> paths() {
 }
 
 template <class Plan>
-void accuracy_case(std::int64_t tokens, std::int64_t kv_heads, std::int64_t group, std::int64_t D, std::int64_t tail_tokens,
-                   std::int64_t n) {
+void accuracy_case(std::int64_t tokens, std::int64_t kv_heads, std::int64_t group, std::int64_t D,
+                   std::int64_t tail_tokens, std::int64_t n) {
   const lynx::kv_shape shape{tokens, kv_heads, D};
-  const auto k = make_kv(tokens, kv_heads, D, 11, true), v = make_kv(tokens, kv_heads, D, 12, false);
-  const auto tkf = make_kv(tail_tokens, kv_heads, D, 13, true), tvf = make_kv(tail_tokens, kv_heads, D, 14, false);
+  const auto k = make_kv(tokens, kv_heads, D, 11, true),
+             v = make_kv(tokens, kv_heads, D, 12, false);
+  const auto tkf = make_kv(tail_tokens, kv_heads, D, 13, true),
+             tvf = make_kv(tail_tokens, kv_heads, D, 14, false);
   const auto tk = to_tail<bf16>(tkf), tv = to_tail<bf16>(tvf);
   const std::int64_t qh = kv_heads * group;
   const auto q = make_queries(n, qh, D, 15);
@@ -179,15 +204,19 @@ void accuracy_case(std::int64_t tokens, std::int64_t kv_heads, std::int64_t grou
     const auto tensor = make_tensor<Plan>(k, v, shape, level);
     std::vector<float> rk, rv;
     reconstructed(tensor, rk, rv);
-    const auto ref = reference(rk, rv, tokens, tk, tv, kv_heads, D, q, n, qh, vis, 1.0 / std::sqrt(static_cast<double>(D)));
+    const auto ref = reference(rk, rv, tokens, tk, tv, kv_heads, D, q, n, qh, vis,
+                               1.0 / std::sqrt(static_cast<double>(D)));
     std::vector<std::vector<float>> outs;
     for (auto path : paths()) {
       std::vector<float> lse;
-      const auto out = run_attention(tensor.view(), tk, tv, tail_tokens, kv_heads, D, q.data(), n, qh, vis, 1, path, &lse);
+      const auto out = run_attention(tensor.view(), tk, tv, tail_tokens, kv_heads, D, q.data(), n,
+                                     qh, vis, 1, path, &lse);
       check_close(out, ref, D,
-                  Plan::name() + " level " + std::to_string(level) + " T=" + std::to_string(tokens) + " D=" + std::to_string(D) +
-                      " group=" + std::to_string(group) + " path=" + std::to_string(static_cast<int>(path)));
-      for (std::size_t i = 0; i < lse.size(); ++i) CHECK(std::abs(lse[i] - ref.lse[i]) <= 1e-4 * (1.0 + std::abs(ref.lse[i])));
+                  Plan::name() + " level " + std::to_string(level) +
+                      " T=" + std::to_string(tokens) + " D=" + std::to_string(D) + " group=" +
+                      std::to_string(group) + " path=" + std::to_string(static_cast<int>(path)));
+      for (std::size_t i = 0; i < lse.size(); ++i)
+        CHECK(std::abs(lse[i] - ref.lse[i]) <= 1e-4 * (1.0 + std::abs(ref.lse[i])));
       outs.push_back(out);
     }
     // the portable and AVX-512 walks do the same operations in the same order
@@ -197,17 +226,19 @@ void accuracy_case(std::int64_t tokens, std::int64_t kv_heads, std::int64_t grou
 
 }  // namespace
 
-TEST_CASE_TEMPLATE("attention on every precision level matches fp64 on the reconstructed values", Plan, lynx::plan_8_4_4,
-                   lynx::plan_8_2_2_4, lynx::plan_16_4_12, lynx::plan_16_4_4_8) {
+TEST_CASE_TEMPLATE("attention on every precision level matches fp64 on the reconstructed values",
+                   Plan, lynx::plan_8_4_4, lynx::plan_8_2_2_4, lynx::plan_16_4_12,
+                   lynx::plan_16_4_4_8) {
   accuracy_case<Plan>(37, 2, 4, 64, 5, 3);
-  accuracy_case<Plan>(1100, 1, 8, 128, 3, 2);   // two prompt splits, a last block of 12 tokens
-  accuracy_case<Plan>(1, 3, 1, 8, 4, 4);        // head_dim 8 (the real model), a one-token prompt
+  accuracy_case<Plan>(1100, 1, 8, 128, 3, 2);  // two prompt splits, a last block of 12 tokens
+  accuracy_case<Plan>(1, 3, 1, 8, 4, 4);       // head_dim 8 (the real model), a one-token prompt
   accuracy_case<Plan>(65, 1, 4, 256, 1, 1);
   // small head_dims (the AVX-512 walk reads a last chunk of D % 16 channels)
-  accuracy_case<Plan>(300, 4, 2, 8, 40, 3);     // stories260K's shape: 4 kv heads, 2 q heads each, ~300 prompt tokens
+  accuracy_case<Plan>(300, 4, 2, 8, 40,
+                      3);  // stories260K's shape: 4 kv heads, 2 q heads each, ~300 prompt tokens
   accuracy_case<Plan>(70, 2, 4, 16, 3, 2);
   accuracy_case<Plan>(90, 1, 8, 32, 2, 2);
-  accuracy_case<Plan>(45, 2, 2, 24, 3, 2);      // one chunk of 16 channels and one of 8
+  accuracy_case<Plan>(45, 2, 2, 24, 3, 2);  // one chunk of 16 channels and one of 8
 }
 
 TEST_CASE("long context: several splits, large GQA group") {
@@ -227,21 +258,26 @@ TEST_CASE("empty tail, tail only, float tail, dense bf16 prompt (the 16-bit base
     reconstructed(tensor, rk, rv);
     const std::vector<float> none;
     const lynx::tail_visibility prompt_only{0, 0};
-    check_close(run_attention(tensor.view(), none, none, 0, H, D, q.data(), 3, qh, prompt_only, 1, path),
-                reference(rk, rv, T, none, none, H, D, q, 3, qh, prompt_only, scale), D, "empty tail");
+    check_close(
+        run_attention(tensor.view(), none, none, 0, H, D, q.data(), 3, qh, prompt_only, 1, path),
+        reference(rk, rv, T, none, none, H, D, q, 3, qh, prompt_only, scale), D, "empty tail");
     // tail only (no prompt), float tail, causal
     const auto tk = make_kv(40, H, D, 24, true), tv = make_kv(40, H, D, 25, false);
     const lynx::tail_visibility causal{37, 1};
-    check_close(run_attention(lynx::no_prompt{}, tk, tv, 40, H, D, q.data(), 3, qh, causal, 1, path),
-                reference(none, none, 0, tk, tv, H, D, q, 3, qh, causal, scale), D, "tail only");
+    check_close(
+        run_attention(lynx::no_prompt{}, tk, tv, 40, H, D, q.data(), 3, qh, causal, 1, path),
+        reference(none, none, 0, tk, tv, H, D, q, 3, qh, causal, scale), D, "tail only");
     // dense bf16 prompt: the baseline; reference on the bf16 values
     const auto kb = to_tail<bf16>(k), vb = to_tail<bf16>(v);
     std::vector<float> kbf(kb.size()), vbf(vb.size());
-    for (std::size_t i = 0; i < kb.size(); ++i) kbf[i] = static_cast<float>(kb[i]), vbf[i] = static_cast<float>(vb[i]);
-    const lynx::dense_prompt<bf16> dp{lynx::token_major<const bf16>(kb.data(), shape), lynx::token_major<const bf16>(vb.data(), shape)};
+    for (std::size_t i = 0; i < kb.size(); ++i)
+      kbf[i] = static_cast<float>(kb[i]), vbf[i] = static_cast<float>(vb[i]);
+    const lynx::dense_prompt<bf16> dp{lynx::token_major<const bf16>(kb.data(), shape),
+                                      lynx::token_major<const bf16>(vb.data(), shape)};
     const auto tkb = to_tail<bf16>(tk), tvb = to_tail<bf16>(tv);
     check_close(run_attention(dp, tkb, tvb, 40, H, D, q.data(), 3, qh, causal, 1, path),
-                reference(kbf, vbf, T, tkb, tvb, H, D, q, 3, qh, causal, scale), D, "bf16 baseline");
+                reference(kbf, vbf, T, tkb, tvb, H, D, q, 3, qh, causal, scale), D,
+                "bf16 baseline");
   }
 }
 
@@ -258,43 +294,54 @@ TEST_CASE("variants: explicit scale, sliding window, soft-cap") {
   for (auto path : paths()) {
     lynx::default_variant windowed;
     windowed.scale = 0.2f;
-    windowed.window_ = 1500;  // the first split is partly, and tokens before 600 fully, out of the window
-    check_close(run_attention(tensor.view(), tk, tv, 8, H, D, q.data(), 2, qh, causal, 1, path, nullptr, windowed),
+    windowed.window_ =
+        1500;  // the first split is partly, and tokens before 600 fully, out of the window
+    check_close(run_attention(tensor.view(), tk, tv, 8, H, D, q.data(), 2, qh, causal, 1, path,
+                              nullptr, windowed),
                 reference(rk, rv, T, tk, tv, H, D, q, 2, qh, causal, 0.2, 1500), D, "window");
     lynx::soft_cap_variant capped;
     capped.cap = 5.0f;
-    check_close(run_attention(tensor.view(), tk, tv, 8, H, D, q.data(), 2, qh, causal, 1, path, nullptr, capped),
-                reference(rk, rv, T, tk, tv, H, D, q, 2, qh, causal, 1.0 / 8.0, 0, 5.0), D, "soft-cap");
+    check_close(run_attention(tensor.view(), tk, tv, 8, H, D, q.data(), 2, qh, causal, 1, path,
+                              nullptr, capped),
+                reference(rk, rv, T, tk, tv, H, D, q, 2, qh, causal, 1.0 / 8.0, 0, 5.0), D,
+                "soft-cap");
   }
 }
 
-TEST_CASE_TEMPLATE("batch invariance: alone vs among k queries, any thread count", Plan, lynx::plan_8_4_4, lynx::plan_16_4_4_8) {
+TEST_CASE_TEMPLATE("batch invariance: alone vs among k queries, any thread count", Plan,
+                   lynx::plan_8_4_4, lynx::plan_16_4_4_8) {
   // head_dim 64, and 8 (a last partial chunk of channels on the AVX-512 walk)
   for (const std::int64_t D : {64, 8}) {
     CAPTURE(D);
     const std::int64_t T = 2500, H = 2, group = 4, qh = H * group, tail = 1100;
     const lynx::kv_shape shape{T, H, D};
     const auto k = make_kv(T, H, D, 41, true), v = make_kv(T, H, D, 42, false);
-    const auto tk = to_tail<bf16>(make_kv(tail, H, D, 43, true)), tv = to_tail<bf16>(make_kv(tail, H, D, 44, false));
+    const auto tk = to_tail<bf16>(make_kv(tail, H, D, 43, true)),
+               tv = to_tail<bf16>(make_kv(tail, H, D, 44, false));
     const std::int64_t n = 8;
     const auto q = make_queries(n, qh, D, 45);
-    const lynx::tail_visibility vis{tail - n, 1};  // the 8 queries straddle the tail's split boundary at 1024
+    const lynx::tail_visibility vis{tail - n,
+                                    1};  // the 8 queries straddle the tail's split boundary at 1024
     for (int level = 1; level <= Plan::streams; ++level) {
       const auto tensor = make_tensor<Plan>(k, v, shape, level);
       for (auto path : paths()) {
         // each query alone, on one thread
         std::vector<std::vector<float>> alone;
         for (std::int64_t i = 0; i < n; ++i)
-          alone.push_back(run_attention(tensor.view(), tk, tv, tail, H, D, q.data() + i * qh * D, 1, qh, {vis.base + i, 1}, 1, path));
+          alone.push_back(run_attention(tensor.view(), tk, tv, tail, H, D, q.data() + i * qh * D, 1,
+                                        qh, {vis.base + i, 1}, 1, path));
         for (std::int64_t kq = 2; kq <= n; ++kq)
           for (int threads : {1, 2, 3, 7}) {
             // queries [n - kq, n) together
             const std::int64_t first = n - kq;
             const auto together =
-                run_attention(tensor.view(), tk, tv, tail, H, D, q.data() + first * qh * D, kq, qh, {vis.base + first, 1}, threads, path);
+                run_attention(tensor.view(), tk, tv, tail, H, D, q.data() + first * qh * D, kq, qh,
+                              {vis.base + first, 1}, threads, path);
             for (std::int64_t i = 0; i < kq; ++i) {
-              INFO("level " << level << " k=" << kq << " threads=" << threads << " query " << first + i);
-              CHECK(same_bits(alone[static_cast<std::size_t>(first + i)], together.data() + i * qh * D, static_cast<std::size_t>(qh * D)));
+              INFO("level " << level << " k=" << kq << " threads=" << threads << " query "
+                            << first + i);
+              CHECK(same_bits(alone[static_cast<std::size_t>(first + i)],
+                              together.data() + i * qh * D, static_cast<std::size_t>(qh * D)));
             }
           }
       }
@@ -310,7 +357,8 @@ TEST_CASE("bad shapes are rejected with clear errors") {
   const auto tk = make_kv(4, H, D, 53, true), tv = make_kv(4, H, D, 54, false);
   const auto q = make_queries(2, 8, 32, 55);
   auto call = [&](auto prompt, std::int64_t qh, std::int64_t d, lynx::tail_visibility vis) {
-    (void)run_attention(prompt, tk, tv, 4, H, D, q.data(), 2, qh, vis, 1, lynx::attention_path::automatic);
+    (void)run_attention(prompt, tk, tv, 4, H, D, q.data(), 2, qh, vis, 1,
+                        lynx::attention_path::automatic);
     (void)d;
   };
   auto expect = [](auto&& f, lynx::errc code, const char* fragment) {
@@ -323,9 +371,21 @@ TEST_CASE("bad shapes are rejected with clear errors") {
       CHECK(std::string(e.what()).find(fragment) != std::string::npos);
     }
   };
-  expect([&] { call(tensor.view(), 3, D, {0, 1}); }, lynx::errc::shape_mismatch, "q_heads 3 is not a multiple of kv_heads 2");
-  expect([&] { call(tensor.view(), 4, D, {3, 1}); }, lynx::errc::shape_mismatch, "the tail holds 4");
-  expect([&] { call(tensor.view().at_level(1), 4, D, {-2, 1}); }, lynx::errc::shape_mismatch, "at least -1");
+  expect(
+      [&] {
+        call(tensor.view(), 3, D, {0, 1});
+      },
+      lynx::errc::shape_mismatch, "q_heads 3 is not a multiple of kv_heads 2");
+  expect(
+      [&] {
+        call(tensor.view(), 4, D, {3, 1});
+      },
+      lynx::errc::shape_mismatch, "the tail holds 4");
+  expect(
+      [&] {
+        call(tensor.view().at_level(1), 4, D, {-2, 1});
+      },
+      lynx::errc::shape_mismatch, "at least -1");
   lynx::bitplane_tensor<lynx::plan_8_4_4> empty(shape, 7);
   expect([&] { call(empty.view(), 4, D, {0, 1}); }, lynx::errc::invalid_argument, "no anchor yet");
   // head_dim mismatch: queries of head_dim 32 against a prompt of head_dim 16
@@ -336,8 +396,8 @@ TEST_CASE("bad shapes are rejected with clear errors") {
         lynx::decode_attention<> attn;
         lynx::attention_workspace ws;
         std::vector<float> out(2 * 4 * 32);
-        attn(tensor.view(), lynx::token_major<const float>(tk.data(), ts), lynx::token_major<const float>(tv.data(), ts), qq, {0, 1},
-             {out.data()}, ws);
+        attn(tensor.view(), lynx::token_major<const float>(tk.data(), ts),
+             lynx::token_major<const float>(tv.data(), ts), qq, {0, 1}, {out.data()}, ws);
       },
       lynx::errc::shape_mismatch, "queries have head_dim 32 but the prompt has head_dim 16");
   // a workspace that is too small is an error, not an allocation
@@ -348,8 +408,8 @@ TEST_CASE("bad shapes are rejected with clear errors") {
         lynx::decode_attention<> attn;
         lynx::attention_workspace ws;
         std::vector<float> out(2 * 4 * D);
-        attn(tensor.view(), lynx::token_major<const float>(tk.data(), ts), lynx::token_major<const float>(tv.data(), ts), qq, {0, 1},
-             {out.data()}, ws);
+        attn(tensor.view(), lynx::token_major<const float>(tk.data(), ts),
+             lynx::token_major<const float>(tv.data(), ts), qq, {0, 1}, {out.data()}, ws);
       },
       lynx::errc::invalid_argument, "workspace of 0 bytes");
 }

@@ -59,7 +59,9 @@ struct attention_output {
 struct tail_visibility {
   std::int64_t base = 0;
   std::int64_t per_query = 1;
-  [[nodiscard]] constexpr std::int64_t operator()(std::int64_t i) const { return base + per_query * (i + 1); }
+  [[nodiscard]] constexpr std::int64_t operator()(std::int64_t i) const {
+    return base + per_query * (i + 1);
+  }
 };
 
 /// No prompt: the context is the tail alone.
@@ -90,14 +92,22 @@ struct attention_problem {
   std::int64_t head_dim = 0;
   std::int64_t prompt_tokens = 0;
   std::int64_t max_tail_visible = 0;
-  std::int64_t value_groups = 1;  // value channel groups per token of a bit-plane prompt (1 otherwise)
+  std::int64_t value_groups =
+      1;  // value channel groups per token of a bit-plane prompt (1 otherwise)
 
-  [[nodiscard]] std::int64_t prompt_splits() const { return ceil_div(prompt_tokens, attention_split_tokens); }
-  [[nodiscard]] std::int64_t tail_splits() const { return ceil_div(max_tail_visible, attention_split_tokens); }
+  [[nodiscard]] std::int64_t prompt_splits() const {
+    return ceil_div(prompt_tokens, attention_split_tokens);
+  }
+  [[nodiscard]] std::int64_t tail_splits() const {
+    return ceil_div(max_tail_visible, attention_split_tokens);
+  }
   [[nodiscard]] std::int64_t splits() const { return prompt_splits() + tail_splits(); }
   [[nodiscard]] std::int64_t group_heads() const { return q_heads / kv_heads; }
-  /// Floats of the partial states: [n_queries][kv_heads][splits][group heads] x (m, l, acc[head_dim]).
-  [[nodiscard]] std::int64_t partial_floats() const { return n_queries * kv_heads * splits() * group_heads() * (head_dim + 2); }
+  /// Floats of the partial states: [n_queries][kv_heads][splits][group heads] x (m, l,
+  /// acc[head_dim]).
+  [[nodiscard]] std::int64_t partial_floats() const {
+    return n_queries * kv_heads * splits() * group_heads() * (head_dim + 2);
+  }
 };
 
 namespace detail {
@@ -121,7 +131,8 @@ struct prompt_traits<dense_prompt<T>> {
 
 }  // namespace detail
 
-/// A prompt the host attention reads: no_prompt, a host bitplane_view, or a dense_prompt<bf16|float|fp16>.
+/// A prompt the host attention reads: no_prompt, a host bitplane_view, or a
+/// dense_prompt<bf16|float|fp16>.
 template <class P>
 concept host_attention_prompt = detail::prompt_traits<std::remove_cvref_t<P>>::valid;
 
@@ -134,7 +145,8 @@ class attention_workspace {
 
   static std::size_t bytes_needed(const attention_problem& p, int threads) {
     const int t = threads <= 0 ? detail::hardware_threads() : threads;
-    const std::int64_t per_thread = detail::split_scratch_floats(p.group_heads(), p.head_dim, p.value_groups) + 64;
+    const std::int64_t per_thread =
+        detail::split_scratch_floats(p.group_heads(), p.head_dim, p.value_groups) + 64;
     return static_cast<std::size_t>((p.partial_floats() + 16 + per_thread * t) * 4);
   }
   /// Grows the buffer to fit (allocates only when it is too small).
@@ -151,7 +163,8 @@ class attention_workspace {
 
 namespace detail {
 
-inline void check_tail(const attention_queries& q, std::int64_t kv_heads, const kv_shape& tk, const kv_shape& tv, bool tail_present) {
+inline void check_tail(const attention_queries& q, std::int64_t kv_heads, const kv_shape& tk,
+                       const kv_shape& tv, bool tail_present) {
   if (!tail_present) return;
   if (!(tk == tv))
     detail::fail(errc::shape_mismatch, "attention: tail keys " + to_string(tk) +
@@ -168,17 +181,20 @@ inline void check_tail(const attention_queries& q, std::int64_t kv_heads, const 
 /// The decode attention functor; Variant sets the softmax scale, soft-cap and window.
 template <class Variant = default_variant>
 class decode_attention {
-  static_assert(attention_variant<Variant>,
-                "decode_attention: Variant must model lynx::attention_variant: a nested `variant_tag`, "
-                "query_scale(int), a static constexpr bool has_logit_transform, transform_logit(float) and window()");
+  static_assert(
+      attention_variant<Variant>,
+      "decode_attention: Variant must model lynx::attention_variant: a nested `variant_tag`, "
+      "query_scale(int), a static constexpr bool has_logit_transform, transform_logit(float) and "
+      "window()");
 
  public:
   Variant variant{};
 
   /// The problem of a call, for sizing a workspace.
   template <class Prompt, class TailT>
-  static attention_problem problem(const Prompt& prompt, const kv_view<const TailT, host_space>& tail_keys, const attention_queries& q,
-                                   tail_visibility vis) {
+  static attention_problem problem(const Prompt& prompt,
+                                   const kv_view<const TailT, host_space>& tail_keys,
+                                   const attention_queries& q, tail_visibility vis) {
     attention_problem p;
     p.n_queries = q.count;
     p.q_heads = q.q_heads;
@@ -199,13 +215,16 @@ class decode_attention {
   }
 
   template <class Prompt, class TailT>
-  void operator()(const Prompt& prompt, kv_view<const TailT, host_space> tail_keys, kv_view<const TailT, host_space> tail_values,
-                  const attention_queries& q, tail_visibility vis, attention_output out, attention_workspace& ws,
+  void operator()(const Prompt& prompt, kv_view<const TailT, host_space> tail_keys,
+                  kv_view<const TailT, host_space> tail_values, const attention_queries& q,
+                  tail_visibility vis, attention_output out, attention_workspace& ws,
                   const attention_options& options = {}) const {
     static_assert(host_attention_prompt<Prompt>,
-                  "decode_attention: the prompt must be lynx::no_prompt, a lynx::bitplane_view<Plan, G, host_space> "
+                  "decode_attention: the prompt must be lynx::no_prompt, a "
+                  "lynx::bitplane_view<Plan, G, host_space> "
                   "or a lynx::dense_prompt<T> (T = float, bf16 or fp16)");
-    static_assert(std::is_same_v<TailT, float> || std::is_same_v<TailT, bf16>, "decode_attention: the tail holds float or bf16");
+    static_assert(std::is_same_v<TailT, float> || std::is_same_v<TailT, bf16>,
+                  "decode_attention: the tail holds float or bf16");
     const attention_problem p = problem(prompt, tail_keys, q, vis);
     validate(prompt, tail_keys, tail_values, q, vis, out, p);
     const std::size_t need = attention_workspace::bytes_needed(p, options.threads);
@@ -221,10 +240,12 @@ class decode_attention {
     if (q.count == 0) return;
 
     if constexpr (std::is_same_v<Prompt, no_prompt>) {
-      run(p, static_cast<const detail::dense_kv_source<TailT>*>(nullptr), tail_keys, tail_values, q, vis, out, ws, options, simd);
+      run(p, static_cast<const detail::dense_kv_source<TailT>*>(nullptr), tail_keys, tail_values, q,
+          vis, out, ws, options, simd);
     } else if constexpr (requires { prompt.geometry; }) {
       using view_t = std::remove_cvref_t<Prompt>;
-      const detail::plane_kv_source<typename view_t::plan, view_t::group_size> src{prompt, prompt.planes()};
+      const detail::plane_kv_source<typename view_t::plan, view_t::group_size> src{prompt,
+                                                                                   prompt.planes()};
       run(p, &src, tail_keys, tail_values, q, vis, out, ws, options, simd);
     } else {
       using T = std::remove_const_t<typename decltype(prompt.keys)::element_type>;
@@ -235,8 +256,10 @@ class decode_attention {
 
  private:
   template <class Prompt, class TailT>
-  static void validate(const Prompt& prompt, const kv_view<const TailT, host_space>& tk, const kv_view<const TailT, host_space>& tv,
-                       const attention_queries& q, tail_visibility vis, const attention_output& out, const attention_problem& p) {
+  static void validate(const Prompt& prompt, const kv_view<const TailT, host_space>& tk,
+                       const kv_view<const TailT, host_space>& tv, const attention_queries& q,
+                       tail_visibility vis, const attention_output& out,
+                       const attention_problem& p) {
     if (!(q.count >= 0 && q.q_heads >= 1 && q.head_dim >= 1))
       detail::fail(errc::shape_mismatch,
                    "attention: queries need q_heads >= 1 and head_dim >= 1, got count=" +
@@ -310,7 +333,8 @@ class decode_attention {
     const std::int64_t items = q.count * p.kv_heads * splits;
     detail::parallel_for(threads, threads, [&](std::int64_t w0, std::int64_t w1) {
       for (std::int64_t worker = w0; worker < w1; ++worker) {
-        const detail::split_scratch w = detail::carve_scratch(scratch_base + worker * per_thread, heads, D, p.value_groups);
+        const detail::split_scratch w =
+            detail::carve_scratch(scratch_base + worker * per_thread, heads, D, p.value_groups);
         const std::int64_t i0 = items * worker / threads, i1 = items * (worker + 1) / threads;
         for (std::int64_t item = i0; item < i1; ++item) {
           // kv head fastest: consecutive items read the same tokens' rows of a
@@ -348,9 +372,11 @@ class decode_attention {
             continue;
           }
           if (in_prompt) {
-            detail::compute_split(*prompt_src, g, qsc, heads, t0, t1, first_visible, variant, prompt_simd, w, m, l, acc);
+            detail::compute_split(*prompt_src, g, qsc, heads, t0, t1, first_visible, variant,
+                                  prompt_simd, w, m, l, acc);
           } else {
-            detail::compute_split(tail, g, qsc, heads, t0, t1, first_visible, variant, tail_simd, w, m, l, acc);
+            detail::compute_split(tail, g, qsc, heads, t0, t1, first_visible, variant, tail_simd, w,
+                                  m, l, acc);
           }
         }
       }
@@ -363,12 +389,15 @@ class decode_attention {
           float mm = attention_neg_inf, ll = 0.0f;
           for (int c = 0; c < D; ++c) o[c] = 0.0f;
           for (std::int64_t s = 0; s < splits; ++s) {
-            const float* state = partials + ((i * p.kv_heads + g) * splits + s) * heads * stride_state;
-            merge_partial_state(mm, ll, o, state[h], state[heads + h], state + 2 * heads + h * D, D);
+            const float* state =
+                partials + ((i * p.kv_heads + g) * splits + s) * heads * stride_state;
+            merge_partial_state(mm, ll, o, state[h], state[heads + h], state + 2 * heads + h * D,
+                                D);
           }
           const float inv = 1.0f / ll;
           for (int c = 0; c < D; ++c) o[c] *= inv;
-          if (out.lse) out.lse[i * q.q_heads + g * heads + h] = (mm + std::log2(ll)) * attention_ln2;
+          if (out.lse)
+            out.lse[i * q.q_heads + g * heads + h] = (mm + std::log2(ll)) * attention_ln2;
         }
   }
 };

@@ -65,8 +65,9 @@ LYNX_HOST_DEVICE float attention_exp2(float x) {
 ///   qs[c] = q[c] * (scale_c * 2^(B-P)),  bias = sum_c q[c] * (scale_c * half + zero_c)
 /// bias is summed like a dense score: lane c mod 16 by fused multiply-adds in
 /// channel order, then the halving tree (so SIMD backends evaluate it 16 wide).
-LYNX_HOST_DEVICE float fold_query_into_key_group(const float* q, const float* scale, const float* zero, int head_dim,
-                                                 float level_unit, float half, float* qs) {
+LYNX_HOST_DEVICE float fold_query_into_key_group(const float* q, const float* scale,
+                                                 const float* zero, int head_dim, float level_unit,
+                                                 float half, float* qs) {
   float lane[attention_reduction_lanes] = {};
   for (int c = 0; c < head_dim; ++c) {
     qs[c] = q[c] * (scale[c] * level_unit);
@@ -81,7 +82,8 @@ LYNX_HOST_DEVICE float fold_query_into_key_group(const float* q, const float* sc
 /// Score of one token of a 32-token block against a folded query: the channel
 /// sum runs in channel order, one fused multiply-add per channel.
 /// plane_rows[j] points at plane j's words [head_dim] of this block.
-LYNX_HOST_DEVICE float key_token_score(const float* qs, float bias, const std::uint32_t* const* plane_rows, int planes,
+LYNX_HOST_DEVICE float key_token_score(const float* qs, float bias,
+                                       const std::uint32_t* const* plane_rows, int planes,
                                        int head_dim, int token) {
   float s = bias;
   for (int c = 0; c < head_dim; ++c) {
@@ -99,7 +101,8 @@ struct value_token_weight {
   float weight;
   float offset;
 };
-LYNX_HOST_DEVICE value_token_weight fold_value_token(float p, float scale, float zero, float level_unit, float half) {
+LYNX_HOST_DEVICE value_token_weight fold_value_token(float p, float scale, float zero,
+                                                     float level_unit, float half) {
   return {p * (scale * level_unit), p * detail::fused_multiply_add(scale, half, zero)};
 }
 
@@ -116,8 +119,8 @@ LYNX_HOST_DEVICE float fixed_order_sum(const float* x, std::int64_t n) {
 
 /// Merges partial state b into a (both over disjoint token sets; a first in
 /// context order). An empty state has m = -inf.
-LYNX_HOST_DEVICE void merge_partial_state(float& m_a, float& l_a, float* acc_a, float m_b, float l_b, const float* acc_b,
-                                          int head_dim) {
+LYNX_HOST_DEVICE void merge_partial_state(float& m_a, float& l_a, float* acc_a, float m_b,
+                                          float l_b, const float* acc_b, int head_dim) {
   if (!(m_b > attention_neg_inf)) return;
   if (!(m_a > attention_neg_inf)) {
     m_a = m_b;
@@ -128,7 +131,8 @@ LYNX_HOST_DEVICE void merge_partial_state(float& m_a, float& l_a, float* acc_a, 
   const float m = m_a > m_b ? m_a : m_b;
   const float wa = attention_exp2(m_a - m), wb = attention_exp2(m_b - m);
   l_a = detail::fused_multiply_add(l_b, wb, l_a * wa);
-  for (int c = 0; c < head_dim; ++c) acc_a[c] = detail::fused_multiply_add(acc_b[c], wb, acc_a[c] * wa);
+  for (int c = 0; c < head_dim; ++c)
+    acc_a[c] = detail::fused_multiply_add(acc_b[c], wb, acc_a[c] * wa);
   m_a = m;
 }
 

@@ -29,9 +29,11 @@ concept attention_variant = requires(const V& v, float x, int d) {
 struct default_variant {
   using variant_tag = void;
   static constexpr bool has_logit_transform = false;
-  float scale = 0.0f;         // 0: 1 / sqrt(head_dim)
-  std::int64_t window_ = 0;   // 0: unlimited
-  [[nodiscard]] float query_scale(int head_dim) const { return scale != 0.0f ? scale : 1.0f / std::sqrt(static_cast<float>(head_dim)); }
+  float scale = 0.0f;        // 0: 1 / sqrt(head_dim)
+  std::int64_t window_ = 0;  // 0: unlimited
+  [[nodiscard]] float query_scale(int head_dim) const {
+    return scale != 0.0f ? scale : 1.0f / std::sqrt(static_cast<float>(head_dim));
+  }
   [[nodiscard]] float transform_logit(float x) const { return x; }
   [[nodiscard]] std::int64_t window() const { return window_; }
 };
@@ -43,7 +45,9 @@ struct soft_cap_variant {
   float cap = 50.0f;
   float scale = 0.0f;
   std::int64_t window_ = 0;
-  [[nodiscard]] float query_scale(int head_dim) const { return scale != 0.0f ? scale : 1.0f / std::sqrt(static_cast<float>(head_dim)); }
+  [[nodiscard]] float query_scale(int head_dim) const {
+    return scale != 0.0f ? scale : 1.0f / std::sqrt(static_cast<float>(head_dim));
+  }
   [[nodiscard]] float transform_logit(float x) const { return cap * std::tanh(x / cap); }
   [[nodiscard]] std::int64_t window() const { return window_; }
 };

@@ -26,10 +26,12 @@
 #include "lynx/planes/stream_plan.hpp"
 #include "lynx/planes/tensor.hpp"
 
-#if (defined(__x86_64__) || defined(_M_X64)) && (defined(__GNUC__) || defined(__clang__)) && !defined(__CUDACC__)
+#if (defined(__x86_64__) || defined(_M_X64)) && (defined(__GNUC__) || defined(__clang__)) && \
+    !defined(__CUDACC__)
 #include <immintrin.h>
 #define LYNX_ATTENTION_AVX512 1
-#define LYNX_ATTENTION_AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,fma")))
+#define LYNX_ATTENTION_AVX512_TARGET \
+  __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,fma")))
 #else
 #define LYNX_ATTENTION_AVX512 0
 #endif
@@ -60,7 +62,8 @@ struct plane_kv_source {
     int j = 0;
     for (int s = 0; j < planes; ++s) {
       const std::uint32_t* base = keys ? view.key_planes(s) : view.value_planes(s);
-      for (int jl = 0; jl < g.planes_in(s) && j < planes; ++jl, ++j) rows[j] = base + g.word_index(s, h, b, jl, 0);
+      for (int jl = 0; jl < g.planes_in(s) && j < planes; ++jl, ++j)
+        rows[j] = base + g.word_index(s, h, b, jl, 0);
     }
   }
   /// Asks the cache for block (h, b)'s plane words ahead of use (the walk is
@@ -107,15 +110,20 @@ struct split_scratch {
 
 /// Floats of one worker's scratch for `heads` query heads per kv head, and
 /// `value_groups` value channel groups per token.
-inline std::int64_t split_scratch_floats(std::int64_t heads, std::int64_t head_dim, std::int64_t value_groups) {
+inline std::int64_t split_scratch_floats(std::int64_t heads, std::int64_t head_dim,
+                                         std::int64_t value_groups) {
   const std::int64_t S = attention_split_tokens;
-  return heads * S + heads * head_dim + heads + heads * value_groups * S + heads * value_groups + 2 * head_dim * attention_block_tokens +
-         heads * head_dim + heads * head_dim * 16 + 8 * 16;
+  return heads * S + heads * head_dim + heads + heads * value_groups * S + heads * value_groups +
+         2 * head_dim * attention_block_tokens + heads * head_dim + heads * head_dim * 16 + 8 * 16;
 }
 
-inline split_scratch carve_scratch(float* base, std::int64_t heads, std::int64_t head_dim, std::int64_t value_groups) {
+inline split_scratch carve_scratch(float* base, std::int64_t heads, std::int64_t head_dim,
+                                   std::int64_t value_groups) {
   const std::int64_t S = attention_split_tokens;
-  auto align = [](float* p) { return reinterpret_cast<float*>((reinterpret_cast<std::uintptr_t>(p) + 63) & ~std::uintptr_t{63}); };
+  auto align = [](float* p) {
+    return reinterpret_cast<float*>((reinterpret_cast<std::uintptr_t>(p) + 63) &
+                                    ~std::uintptr_t{63});
+  };
   split_scratch s;
   s.scores = align(base);
   s.qs = align(s.scores + heads * S);
@@ -134,8 +142,9 @@ inline split_scratch carve_scratch(float* base, std::int64_t heads, std::int64_t
 
 /// Logits of tokens [t0, t1) of a bit-plane prompt: scores[h][t - t0].
 template <stream_plan_type Plan, int G>
-void score_tokens_portable(const plane_kv_source<Plan, G>& src, std::int64_t kv_head, const float* q, int heads, std::int64_t t0,
-                           std::int64_t t1, const split_scratch& w) {
+void score_tokens_portable(const plane_kv_source<Plan, G>& src, std::int64_t kv_head,
+                           const float* q, int heads, std::int64_t t0, std::int64_t t1,
+                           const split_scratch& w) {
   const layer_geometry& g = src.view.geometry;
   const int D = static_cast<int>(g.head_dim);
   const float unit = src.level_unit(), half = src.half();
@@ -149,8 +158,9 @@ void score_tokens_portable(const plane_kv_source<Plan, G>& src, std::int64_t kv_
       if (grp != folded_group) {
         const std::int64_t base = (kv_head * g.key_token_groups() + grp) * D;
         for (int h = 0; h < heads; ++h)
-          w.bias[h] = fold_query_into_key_group(q + h * D, src.view.key_scale() + base, src.view.key_zero() + base, D, unit, half,
-                                                w.qs + h * D);
+          w.bias[h] =
+              fold_query_into_key_group(q + h * D, src.view.key_scale() + base,
+                                        src.view.key_zero() + base, D, unit, half, w.qs + h * D);
         folded_group = grp;
       }
       for (int h = 0; h < heads; ++h)
@@ -163,8 +173,8 @@ void score_tokens_portable(const plane_kv_source<Plan, G>& src, std::int64_t kv_
 /// Value weights of tokens [t0, t1) (shared by both paths): weights[h][grp][t - t0]
 /// and offsets[h][grp] = sum_t p * (scale * half + zero), in token order.
 template <stream_plan_type Plan, int G>
-void value_weights_portable(const plane_kv_source<Plan, G>& src, std::int64_t kv_head, int heads, std::int64_t t0, std::int64_t t1,
-                   const split_scratch& w) {
+void value_weights_portable(const plane_kv_source<Plan, G>& src, std::int64_t kv_head, int heads,
+                            std::int64_t t0, std::int64_t t1, const split_scratch& w) {
   const layer_geometry& g = src.view.geometry;
   const std::int64_t groups = g.value_channel_groups();
   const float unit = src.level_unit(), half = src.half();
@@ -176,7 +186,8 @@ void value_weights_portable(const plane_kv_source<Plan, G>& src, std::int64_t kv
       float* out = w.weights + (h * groups + grp) * attention_split_tokens;
       float lane[attention_reduction_lanes] = {};
       for (std::int64_t t = t0; t < t1; ++t) {
-        const value_token_weight vw = fold_value_token(p[t - t0], vs[t * groups + grp], vz[t * groups + grp], unit, half);
+        const value_token_weight vw =
+            fold_value_token(p[t - t0], vs[t * groups + grp], vz[t * groups + grp], unit, half);
         out[t - t0] = vw.weight;
         lane[(t - t0) % attention_reduction_lanes] += vw.offset;
       }
@@ -184,17 +195,21 @@ void value_weights_portable(const plane_kv_source<Plan, G>& src, std::int64_t kv
         for (int l = 0; l < wdt; ++l) lane[l] += lane[l + wdt];
       w.offsets[h * groups + grp] = lane[0];
       // tokens past t1 in the last block weigh 0 (the kernels walk whole blocks)
-      for (std::int64_t t = t1; t < (t1 + attention_block_tokens - 1) / attention_block_tokens * attention_block_tokens; ++t) out[t - t0] = 0.0f;
+      for (std::int64_t t = t1;
+           t < (t1 + attention_block_tokens - 1) / attention_block_tokens * attention_block_tokens;
+           ++t)
+        out[t - t0] = 0.0f;
     }
 }
 
 /// Sums of the 16 value lanes of every (head, channel) by the halving tree, plus the offset.
-inline void finish_value_lanes(const float* lanes, int heads, int D, std::int64_t VG, std::int64_t groups, const float* offsets,
-                               float* acc) {
+inline void finish_value_lanes(const float* lanes, int heads, int D, std::int64_t VG,
+                               std::int64_t groups, const float* offsets, float* acc) {
   for (int h = 0; h < heads; ++h)
     for (int c = 0; c < D; ++c) {
       float x[attention_reduction_lanes];
-      for (int l = 0; l < attention_reduction_lanes; ++l) x[l] = lanes[(h * D + c) * attention_reduction_lanes + l];
+      for (int l = 0; l < attention_reduction_lanes; ++l)
+        x[l] = lanes[(h * D + c) * attention_reduction_lanes + l];
       for (int wdt = attention_reduction_lanes / 2; wdt >= 1; wdt /= 2)
         for (int l = 0; l < wdt; ++l) x[l] += x[l + wdt];
       acc[h * D + c] = x[0] + offsets[h * groups + c / VG];
@@ -205,8 +220,9 @@ inline void finish_value_lanes(const float* lanes, int heads, int D, std::int64_
 /// lane l = t mod 16 sums its tokens in order over whole 32-token blocks (weights
 /// of tokens past t1 are 0), then the lanes fold by the halving tree.
 template <stream_plan_type Plan, int G>
-void accumulate_values_portable(const plane_kv_source<Plan, G>& src, std::int64_t kv_head, int heads, std::int64_t t0,
-                                std::int64_t t1, float* acc, const split_scratch& w) {
+void accumulate_values_portable(const plane_kv_source<Plan, G>& src, std::int64_t kv_head,
+                                int heads, std::int64_t t0, std::int64_t t1, float* acc,
+                                const split_scratch& w) {
   const layer_geometry& g = src.view.geometry;
   const int D = static_cast<int>(g.head_dim);
   const std::int64_t groups = g.value_channel_groups(), VG = g.value_group;
@@ -221,8 +237,11 @@ void accumulate_values_portable(const plane_kv_source<Plan, G>& src, std::int64_
         for (int j = 0; j < src.planes; ++j) k = (k << 1) | token_bit(rows[j][c], i);
         const float code = static_cast<float>(k);
         for (int h = 0; h < heads; ++h) {
-          float& lane = w.lanes[(h * D + c) * attention_reduction_lanes + i % attention_reduction_lanes];
-          lane = detail::fused_multiply_add(w.weights[(h * groups + c / VG) * attention_split_tokens + (tb + i - t0)], code, lane);
+          float& lane =
+              w.lanes[(h * D + c) * attention_reduction_lanes + i % attention_reduction_lanes];
+          lane = detail::fused_multiply_add(
+              w.weights[(h * groups + c / VG) * attention_split_tokens + (tb + i - t0)], code,
+              lane);
         }
       }
   }
@@ -233,33 +252,39 @@ void accumulate_values_portable(const plane_kv_source<Plan, G>& src, std::int64_
 template <class T>
 float dense_score(const float* q, const T* k, std::int64_t channel_stride, int D) {
   float lane[attention_reduction_lanes] = {};
-  for (int c = 0; c < D; ++c) lane[c % attention_reduction_lanes] = detail::fused_multiply_add(q[c], to_float(k[c * channel_stride]), lane[c % attention_reduction_lanes]);
+  for (int c = 0; c < D; ++c)
+    lane[c % attention_reduction_lanes] = detail::fused_multiply_add(
+        q[c], to_float(k[c * channel_stride]), lane[c % attention_reduction_lanes]);
   for (int wdt = attention_reduction_lanes / 2; wdt >= 1; wdt /= 2)
     for (int l = 0; l < wdt; ++l) lane[l] += lane[l + wdt];
   return lane[0];
 }
 
 template <class T>
-void score_tokens_portable(const dense_kv_source<T>& src, std::int64_t kv_head, const float* q, int heads, std::int64_t t0,
-                           std::int64_t t1, const split_scratch& w) {
+void score_tokens_portable(const dense_kv_source<T>& src, std::int64_t kv_head, const float* q,
+                           int heads, std::int64_t t0, std::int64_t t1, const split_scratch& w) {
   const int D = src.head_dim();
   for (std::int64_t t = t0; t < t1; ++t) {
     const T* k = &src.keys(t, kv_head, 0);
     for (int h = 0; h < heads; ++h)
-      w.scores[h * attention_split_tokens + (t - t0)] = dense_score(q + h * D, k, src.keys.channel_stride, D);
+      w.scores[h * attention_split_tokens + (t - t0)] =
+          dense_score(q + h * D, k, src.keys.channel_stride, D);
   }
 }
 
 template <class T>
-void accumulate_values_portable(const dense_kv_source<T>& src, std::int64_t kv_head, int heads, std::int64_t t0, std::int64_t t1,
-                                float* acc, const split_scratch& w) {
+void accumulate_values_portable(const dense_kv_source<T>& src, std::int64_t kv_head, int heads,
+                                std::int64_t t0, std::int64_t t1, float* acc,
+                                const split_scratch& w) {
   const int D = src.head_dim();
   std::fill(acc, acc + heads * D, 0.0f);
   for (std::int64_t t = t0; t < t1; ++t) {
     const T* v = &src.values(t, kv_head, 0);
     for (int h = 0; h < heads; ++h) {
       const float p = w.scores[h * attention_split_tokens + (t - t0)];
-      for (int c = 0; c < D; ++c) acc[h * D + c] = detail::fused_multiply_add(p, to_float(v[c * src.values.channel_stride]), acc[h * D + c]);
+      for (int c = 0; c < D; ++c)
+        acc[h * D + c] = detail::fused_multiply_add(p, to_float(v[c * src.values.channel_stride]),
+                                                    acc[h * D + c]);
     }
   }
 }
@@ -294,30 +319,38 @@ LYNX_ATTENTION_AVX512_TARGET inline __m512 exp2_avx512(__m512 x) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-01f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-01f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(_mm512_maskz_mov_ps(live, n)), _mm512_set1_epi32(127)), 23);
+  const __m512i e = _mm512_slli_epi32(
+      _mm512_add_epi32(_mm512_cvttps_epi32(_mm512_maskz_mov_ps(live, n)), _mm512_set1_epi32(127)),
+      23);
   return _mm512_maskz_mul_ps(live, p, _mm512_castsi512_ps(e));
 }
 
 LYNX_ATTENTION_AVX512_TARGET inline void exp2_shifted_avx512(float* s, std::int64_t n, float m) {
   const __m512 mv = _mm512_set1_ps(m);
   std::int64_t i = 0;
-  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(s + i, exp2_avx512(_mm512_sub_ps(_mm512_loadu_ps(s + i), mv)));
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(s + i, exp2_avx512(_mm512_sub_ps(_mm512_loadu_ps(s + i), mv)));
   if (i < n) {
     const __mmask16 k = static_cast<__mmask16>((1u << (n - i)) - 1u);
-    _mm512_mask_storeu_ps(s + i, k, exp2_avx512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + i), mv)));
+    _mm512_mask_storeu_ps(s + i, k,
+                          exp2_avx512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + i), mv)));
   }
 }
 
 /// fold_query_into_key_group, 16 channels per step (same operations per lane).
-LYNX_ATTENTION_AVX512_TARGET inline float fold_query_avx512(const float* q, const float* scale, const float* zero, int D, float unit, float half,
-                                                  float* qs) {
+LYNX_ATTENTION_AVX512_TARGET inline float fold_query_avx512(const float* q, const float* scale,
+                                                            const float* zero, int D, float unit,
+                                                            float half, float* qs) {
   const __m512 u = _mm512_set1_ps(unit), hv = _mm512_set1_ps(half);
   __m512 lane = _mm512_setzero_ps();
-  for (int c = 0; c < D; c += 16) {  // a last chunk of D % 16 channels: the other lanes stay as they are
-    const __mmask16 k = D - c >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (D - c)) - 1u);
+  for (int c = 0; c < D;
+       c += 16) {  // a last chunk of D % 16 channels: the other lanes stay as they are
+    const __mmask16 k =
+        D - c >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (D - c)) - 1u);
     const __m512 qv = _mm512_maskz_loadu_ps(k, q + c), sc = _mm512_maskz_loadu_ps(k, scale + c);
     _mm512_mask_storeu_ps(qs + c, k, _mm512_mul_ps(qv, _mm512_mul_ps(sc, u)));
-    lane = _mm512_mask3_fmadd_ps(qv, _mm512_fmadd_ps(sc, hv, _mm512_maskz_loadu_ps(k, zero + c)), lane, k);
+    lane = _mm512_mask3_fmadd_ps(qv, _mm512_fmadd_ps(sc, hv, _mm512_maskz_loadu_ps(k, zero + c)),
+                                 lane, k);
   }
   alignas(64) float x[16];
   _mm512_store_ps(x, lane);
@@ -328,43 +361,57 @@ LYNX_ATTENTION_AVX512_TARGET inline float fold_query_avx512(const float* q, cons
 
 /// Column g of 16 consecutive rows of a [rows][groups] float array (the value
 /// parameters of 16 tokens): permutes for 1, 2, 4, 8 groups, a gather otherwise.
-LYNX_ATTENTION_AVX512_TARGET inline __m512 group_column_avx512(const float* rows, std::int64_t groups, std::int64_t g, __m512i stride) {
+LYNX_ATTENTION_AVX512_TARGET inline __m512 group_column_avx512(const float* rows,
+                                                               std::int64_t groups, std::int64_t g,
+                                                               __m512i stride) {
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const int G = static_cast<int>(groups), gi = static_cast<int>(g);
   switch (G) {
-    case 1: return _mm512_loadu_ps(rows);
+    case 1:
+      return _mm512_loadu_ps(rows);
     case 2: {
       const __m512i idx = _mm512_add_epi32(_mm512_slli_epi32(lane, 1), _mm512_set1_epi32(gi));
       return _mm512_permutex2var_ps(_mm512_loadu_ps(rows), idx, _mm512_loadu_ps(rows + 16));
     }
     case 4: {
-      const __m512i idx = _mm512_add_epi32(_mm512_slli_epi32(lane, 2), _mm512_set1_epi32(gi));  // lanes 0-7 valid
-      const __m512 a = _mm512_permutex2var_ps(_mm512_loadu_ps(rows), idx, _mm512_loadu_ps(rows + 16));
-      const __m512 b = _mm512_permutex2var_ps(_mm512_loadu_ps(rows + 32), idx, _mm512_loadu_ps(rows + 48));
+      const __m512i idx =
+          _mm512_add_epi32(_mm512_slli_epi32(lane, 2), _mm512_set1_epi32(gi));  // lanes 0-7 valid
+      const __m512 a =
+          _mm512_permutex2var_ps(_mm512_loadu_ps(rows), idx, _mm512_loadu_ps(rows + 16));
+      const __m512 b =
+          _mm512_permutex2var_ps(_mm512_loadu_ps(rows + 32), idx, _mm512_loadu_ps(rows + 48));
       return _mm512_shuffle_f32x4(a, b, 0x44);
     }
     case 8: {
-      const __m512i idx = _mm512_add_epi32(_mm512_slli_epi32(lane, 3), _mm512_set1_epi32(gi));  // lanes 0-3 valid
+      const __m512i idx =
+          _mm512_add_epi32(_mm512_slli_epi32(lane, 3), _mm512_set1_epi32(gi));  // lanes 0-3 valid
       __m512 q[4];
-      for (int k = 0; k < 4; ++k) q[k] = _mm512_permutex2var_ps(_mm512_loadu_ps(rows + 32 * k), idx, _mm512_loadu_ps(rows + 32 * k + 16));
-      const __m512 x = _mm512_shuffle_f32x4(q[0], q[1], 0x00), y = _mm512_shuffle_f32x4(q[2], q[3], 0x00);
+      for (int k = 0; k < 4; ++k)
+        q[k] = _mm512_permutex2var_ps(_mm512_loadu_ps(rows + 32 * k), idx,
+                                      _mm512_loadu_ps(rows + 32 * k + 16));
+      const __m512 x = _mm512_shuffle_f32x4(q[0], q[1], 0x00),
+                   y = _mm512_shuffle_f32x4(q[2], q[3], 0x00);
       return _mm512_shuffle_f32x4(x, y, 0x88);
     }
-    default: return _mm512_i32gather_ps(stride, rows + g, 4);
+    default:
+      return _mm512_i32gather_ps(stride, rows + g, 4);
   }
 }
 
 /// value_weights_portable, 16 tokens per step (same operations per lane).
 template <stream_plan_type Plan, int G>
-LYNX_ATTENTION_AVX512_TARGET void value_weights_avx512(const plane_kv_source<Plan, G>& src, std::int64_t kv_head, int heads, std::int64_t t0,
-                                             std::int64_t t1, const split_scratch& w) {
+LYNX_ATTENTION_AVX512_TARGET void value_weights_avx512(const plane_kv_source<Plan, G>& src,
+                                                       std::int64_t kv_head, int heads,
+                                                       std::int64_t t0, std::int64_t t1,
+                                                       const split_scratch& w) {
   const layer_geometry& g = src.view.geometry;
   const std::int64_t groups = g.value_channel_groups();
   const __m512 u = _mm512_set1_ps(src.level_unit()), hv = _mm512_set1_ps(src.half());
   const float* vs = src.view.value_scale() + kv_head * g.tokens * groups;
   const float* vz = src.view.value_zero() + kv_head * g.tokens * groups;
-  const __m512i stride = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                            _mm512_set1_epi32(static_cast<int>(groups)));
+  const __m512i stride =
+      _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                         _mm512_set1_epi32(static_cast<int>(groups)));
   const std::int64_t n = t1 - t0;
   __m512 lanes[8][8];  // [head][group] offset lanes; larger shapes loop below
   for (int h0 = 0; h0 < heads; h0 += 8)
@@ -374,20 +421,26 @@ LYNX_ATTENTION_AVX512_TARGET void value_weights_avx512(const plane_kv_source<Pla
       for (int h = 0; h < hn; ++h)
         for (int k = 0; k < gn; ++k) lanes[h][k] = _mm512_setzero_ps();
       for (std::int64_t i = 0; i < n; i += 16) {
-        const __mmask16 live = n - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - i)) - 1u);
+        const __mmask16 live = n - i >= 16 ? static_cast<__mmask16>(0xFFFF)
+                                           : static_cast<__mmask16>((1u << (n - i)) - 1u);
         for (int k = 0; k < gn; ++k) {
           const std::int64_t grp = g0 + k;
           const float* base_s = vs + (t0 + i) * groups + grp;
           const float* base_z = vz + (t0 + i) * groups + grp;
           const bool whole = live == static_cast<__mmask16>(0xFFFF);
-          const __m512 sc = whole ? group_column_avx512(base_s - grp, groups, grp, stride)
-                                  : _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, stride, base_s, 4);
-          const __m512 zr = whole ? group_column_avx512(base_z - grp, groups, grp, stride)
-                                  : _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, stride, base_z, 4);
+          const __m512 sc =
+              whole ? group_column_avx512(base_s - grp, groups, grp, stride)
+                    : _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, stride, base_s, 4);
+          const __m512 zr =
+              whole ? group_column_avx512(base_z - grp, groups, grp, stride)
+                    : _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, stride, base_z, 4);
           const __m512 su = _mm512_mul_ps(sc, u), off = _mm512_fmadd_ps(sc, hv, zr);
           for (int h = 0; h < hn; ++h) {
-            const __m512 p = _mm512_maskz_loadu_ps(live, w.scores + (h0 + h) * attention_split_tokens + i);
-            _mm512_mask_storeu_ps(w.weights + ((h0 + h) * groups + grp) * attention_split_tokens + i, live, _mm512_mul_ps(p, su));
+            const __m512 p =
+                _mm512_maskz_loadu_ps(live, w.scores + (h0 + h) * attention_split_tokens + i);
+            _mm512_mask_storeu_ps(
+                w.weights + ((h0 + h) * groups + grp) * attention_split_tokens + i, live,
+                _mm512_mul_ps(p, su));
             lanes[h][k] = _mm512_mask_add_ps(lanes[h][k], live, lanes[h][k], _mm512_mul_ps(p, off));
           }
         }
@@ -402,24 +455,30 @@ LYNX_ATTENTION_AVX512_TARGET void value_weights_avx512(const plane_kv_source<Pla
         }
     }
   // tokens past t1 in the last block weigh 0 (the kernels walk whole blocks)
-  const std::int64_t end = (t1 + attention_block_tokens - 1) / attention_block_tokens * attention_block_tokens;
+  const std::int64_t end =
+      (t1 + attention_block_tokens - 1) / attention_block_tokens * attention_block_tokens;
   for (int h = 0; h < heads; ++h)
     for (std::int64_t grp = 0; grp < groups; ++grp)
-      for (std::int64_t t = t1; t < end; ++t) w.weights[(h * groups + grp) * attention_split_tokens + (t - t0)] = 0.0f;
+      for (std::int64_t t = t1; t < end; ++t)
+        w.weights[(h * groups + grp) * attention_split_tokens + (t - t0)] = 0.0f;
 }
 
 /// Logits to the log2 domain with tokens before first_visible masked; returns the max.
-LYNX_ATTENTION_AVX512_TARGET inline float prepare_scores_avx512(float* s, std::int64_t n, std::int64_t t0, std::int64_t first_visible) {
+LYNX_ATTENTION_AVX512_TARGET inline float prepare_scores_avx512(float* s, std::int64_t n,
+                                                                std::int64_t t0,
+                                                                std::int64_t first_visible) {
   const __m512 log2e = _mm512_set1_ps(attention_log2e), ninf = _mm512_set1_ps(attention_neg_inf);
   __m512 mx = ninf;
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   for (std::int64_t i = 0; i < n; i += 16) {
-    const __mmask16 live = n - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - i)) - 1u);
+    const __mmask16 live =
+        n - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - i)) - 1u);
     // visible: t0 + i + lane >= first_visible  <=>  lane >= first_visible - t0 - i
     const std::int64_t need = first_visible - t0 - i;
-    const __mmask16 seen = need <= 0 ? static_cast<__mmask16>(0xFFFF)
-                           : need >= 16 ? static_cast<__mmask16>(0)
-                                        : _mm512_cmpge_epi32_mask(lane, _mm512_set1_epi32(static_cast<int>(need)));
+    const __mmask16 seen =
+        need <= 0    ? static_cast<__mmask16>(0xFFFF)
+        : need >= 16 ? static_cast<__mmask16>(0)
+                     : _mm512_cmpge_epi32_mask(lane, _mm512_set1_epi32(static_cast<int>(need)));
     const __m512 x = _mm512_mask_mul_ps(ninf, seen, _mm512_maskz_loadu_ps(live, s + i), log2e);
     _mm512_mask_storeu_ps(s + i, live, x);
     mx = _mm512_mask_max_ps(mx, live, mx, x);
@@ -431,7 +490,8 @@ LYNX_ATTENTION_AVX512_TARGET inline float prepare_scores_avx512(float* s, std::i
 LYNX_ATTENTION_AVX512_TARGET inline float fixed_order_sum_avx512(const float* x, std::int64_t n) {
   __m512 lane = _mm512_setzero_ps();
   for (std::int64_t i = 0; i < n; i += 16) {
-    const __mmask16 live = n - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - i)) - 1u);
+    const __mmask16 live =
+        n - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - i)) - 1u);
     lane = _mm512_mask_add_ps(lane, live, lane, _mm512_maskz_loadu_ps(live, x + i));
   }
   alignas(64) float r[16];
@@ -443,14 +503,17 @@ LYNX_ATTENTION_AVX512_TARGET inline float fixed_order_sum_avx512(const float* x,
 
 /// Codes of one key block into tile[c][32] (lane = token), for P planes:
 /// plane j's bit of token t is rotated to bit P-1-j and merged.
-LYNX_ATTENTION_AVX512_TARGET inline void decode_key_block_avx512(const std::uint32_t* const* rows, int planes, int D, float* tile) {
+LYNX_ATTENTION_AVX512_TARGET inline void decode_key_block_avx512(const std::uint32_t* const* rows,
+                                                                 int planes, int D, float* tile) {
   __m512i rot[16][2];
   __m512i bit[16];
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   for (int j = 0; j < planes; ++j) {
     const int pos = planes - 1 - j;
-    rot[j][0] = _mm512_and_si512(_mm512_sub_epi32(_mm512_set1_epi32(pos), lane), _mm512_set1_epi32(31));
-    rot[j][1] = _mm512_and_si512(_mm512_sub_epi32(_mm512_set1_epi32(pos - 16), lane), _mm512_set1_epi32(31));
+    rot[j][0] =
+        _mm512_and_si512(_mm512_sub_epi32(_mm512_set1_epi32(pos), lane), _mm512_set1_epi32(31));
+    rot[j][1] = _mm512_and_si512(_mm512_sub_epi32(_mm512_set1_epi32(pos - 16), lane),
+                                 _mm512_set1_epi32(31));
     bit[j] = _mm512_set1_epi32(1 << pos);
   }
   for (int c = 0; c < D; ++c) {
@@ -465,10 +528,12 @@ LYNX_ATTENTION_AVX512_TARGET inline void decode_key_block_avx512(const std::uint
   }
 }
 
-#define LYNX_ATTENTION_GFNI_TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vbmi,gfni,fma")))
+#define LYNX_ATTENTION_GFNI_TARGET \
+  __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vbmi,gfni,fma")))
 
 inline bool host_has_gfni() {
-  static const bool yes = host_has_avx512() && __builtin_cpu_supports("gfni") && __builtin_cpu_supports("avx512vbmi");
+  static const bool yes =
+      host_has_avx512() && __builtin_cpu_supports("gfni") && __builtin_cpu_supports("avx512vbmi");
   return yes;
 }
 
@@ -480,12 +545,14 @@ inline bool host_has_gfni() {
 /// tile[c][32] receives float(prefix << (decoded_bits - P)), decoded_bits = 8 or 16.
 /// `channels` (1..16) of the 16 are read (head_dims that are not multiples of 16):
 /// the others transpose as zero words and their codes are never used.
-LYNX_ATTENTION_GFNI_TARGET __attribute__((always_inline)) inline void transpose_planes_gfni(const std::uint32_t* const* rows, int first, int count, int c0, int channels,
-                                                             __m512i out[2][2][2]) {
+LYNX_ATTENTION_GFNI_TARGET __attribute__((always_inline)) inline void transpose_planes_gfni(
+    const std::uint32_t* const* rows, int first, int count, int c0, int channels,
+    __m512i out[2][2][2]) {
   __m512i wv[8];
-  const __mmask16 live = channels >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << channels) - 1u);
+  const __mmask16 live = channels >= 16 ? static_cast<__mmask16>(0xFFFF)
+                                        : static_cast<__mmask16>((1u << channels) - 1u);
   for (int j = 0; j < 8; ++j)
-    wv[j] = j >= count ? _mm512_setzero_si512()
+    wv[j] = j >= count       ? _mm512_setzero_si512()
             : channels >= 16 ? _mm512_loadu_si512(rows[first + j] + c0)
                              : _mm512_maskz_loadu_epi32(live, rows[first + j] + c0);
   __m512i a[4][2], bq[2][2][2];
@@ -501,13 +568,17 @@ LYNX_ATTENTION_GFNI_TARGET __attribute__((always_inline)) inline void transpose_
   const __m512i tokens = _mm512_set1_epi64(static_cast<long long>(0x8040201008040201ull));
   for (int s1 = 0; s1 < 2; ++s1)
     for (int s2 = 0; s2 < 2; ++s2) {
-      // qword g of lane L: byte 8*s1 + 4*s2 + 2*s3 + g of the lane = channel 4L + 2*s1 + s2, token byte 2*s3 + g
-      out[s1][s2][0] = _mm512_gf2p8affine_epi64_epi8(tokens, _mm512_unpacklo_epi32(bq[0][s1][s2], bq[1][s1][s2]), 0);
-      out[s1][s2][1] = _mm512_gf2p8affine_epi64_epi8(tokens, _mm512_unpackhi_epi32(bq[0][s1][s2], bq[1][s1][s2]), 0);
+      // qword g of lane L: byte 8*s1 + 4*s2 + 2*s3 + g of the lane = channel 4L + 2*s1 + s2, token
+      // byte 2*s3 + g
+      out[s1][s2][0] = _mm512_gf2p8affine_epi64_epi8(
+          tokens, _mm512_unpacklo_epi32(bq[0][s1][s2], bq[1][s1][s2]), 0);
+      out[s1][s2][1] = _mm512_gf2p8affine_epi64_epi8(
+          tokens, _mm512_unpackhi_epi32(bq[0][s1][s2], bq[1][s1][s2]), 0);
     }
 }
 
-LYNX_ATTENTION_GFNI_TARGET inline void decode_block_gfni(const std::uint32_t* const* rows, int planes, int D, float* tile) {
+LYNX_ATTENTION_GFNI_TARGET inline void decode_block_gfni(const std::uint32_t* const* rows,
+                                                         int planes, int D, float* tile) {
   __m512i zext[4];
   for (int L = 0; L < 4; ++L) {
     alignas(64) std::uint8_t idx[64];
@@ -524,7 +595,9 @@ LYNX_ATTENTION_GFNI_TARGET inline void decode_block_gfni(const std::uint32_t* co
         for (int s3 = 0; s3 < 2; ++s3) {
           __m512i code = _mm512_maskz_permutexvar_epi8(low_bytes, zext[L], hi[m >> 1][m & 1][s3]);
           if (planes > 8)
-            code = _mm512_or_si512(_mm512_slli_epi32(code, 8), _mm512_maskz_permutexvar_epi8(low_bytes, zext[L], lo[m >> 1][m & 1][s3]));
+            code = _mm512_or_si512(
+                _mm512_slli_epi32(code, 8),
+                _mm512_maskz_permutexvar_epi8(low_bytes, zext[L], lo[m >> 1][m & 1][s3]));
           _mm512_store_ps(tile + (c0 + 4 * L + m) * 32 + 16 * s3, _mm512_cvtepi32_ps(code));
         }
   }
@@ -535,11 +608,12 @@ LYNX_ATTENTION_GFNI_TARGET inline void decode_block_gfni(const std::uint32_t* co
 /// Byte-index vectors that zero-extend token bytes to dwords: zext[L] picks
 /// byte 16 L + i / 4 into dword i (with the low_bytes mask below).
 LYNX_ATTENTION_GFNI_INLINE void token_byte_zext_gfni(__m512i zext[4]) {
-  for (int L = 0; L < 4; ++L) zext[L] = _mm512_add_epi8(_mm512_set1_epi8(static_cast<char>(16 * L)),
-                                                         _mm512_set_epi8(15, 15, 15, 15, 14, 14, 14, 14, 13, 13, 13, 13, 12, 12, 12, 12,
-                                                                         11, 11, 11, 11, 10, 10, 10, 10, 9, 9, 9, 9, 8, 8, 8, 8, 7, 7, 7, 7,
-                                                                         6, 6, 6, 6, 5, 5, 5, 5, 4, 4, 4, 4, 3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1,
-                                                                         1, 0, 0, 0, 0));
+  for (int L = 0; L < 4; ++L)
+    zext[L] = _mm512_add_epi8(
+        _mm512_set1_epi8(static_cast<char>(16 * L)),
+        _mm512_set_epi8(15, 15, 15, 15, 14, 14, 14, 14, 13, 13, 13, 13, 12, 12, 12, 12, 11, 11, 11,
+                        11, 10, 10, 10, 10, 9, 9, 9, 9, 8, 8, 8, 8, 7, 7, 7, 7, 6, 6, 6, 6, 5, 5, 5,
+                        5, 4, 4, 4, 4, 3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0));
 }
 inline constexpr __mmask64 gfni_low_bytes = 0x1111111111111111ull;
 
@@ -547,7 +621,8 @@ inline constexpr __mmask64 gfni_low_bytes = 0x1111111111111111ull;
 /// k[i][0]: tokens 0-15, k[i][1]: tokens 16-31), each channel handed to `use(i, k)`
 /// in channel order. cn is a constant in the full-chunk loops, so the bounds fold away.
 template <class Use>
-LYNX_ATTENTION_GFNI_INLINE void decode_chunk_gfni(const std::uint32_t* const* rows, int planes, int c0, int cn, const __m512i zext[4],
+LYNX_ATTENTION_GFNI_INLINE void decode_chunk_gfni(const std::uint32_t* const* rows, int planes,
+                                                  int c0, int cn, const __m512i zext[4],
                                                   Use&& use) {
   __m512i hi[2][2][2], lo[2][2][2];
   transpose_planes_gfni(rows, 0, planes < 8 ? planes : 8, c0, cn, hi);
@@ -557,9 +632,12 @@ LYNX_ATTENTION_GFNI_INLINE void decode_chunk_gfni(const std::uint32_t* const* ro
       if (4 * L + m >= cn) return;
       __m512 k[2];
       for (int s3 = 0; s3 < 2; ++s3) {
-        __m512i code = _mm512_maskz_permutexvar_epi8(gfni_low_bytes, zext[L], hi[m >> 1][m & 1][s3]);
+        __m512i code =
+            _mm512_maskz_permutexvar_epi8(gfni_low_bytes, zext[L], hi[m >> 1][m & 1][s3]);
         if (planes > 8)
-          code = _mm512_or_si512(_mm512_slli_epi32(code, 8), _mm512_maskz_permutexvar_epi8(gfni_low_bytes, zext[L], lo[m >> 1][m & 1][s3]));
+          code = _mm512_or_si512(
+              _mm512_slli_epi32(code, 8),
+              _mm512_maskz_permutexvar_epi8(gfni_low_bytes, zext[L], lo[m >> 1][m & 1][s3]));
         k[s3] = _mm512_cvtepi32_ps(code);
       }
       use(4 * L + m, k);
@@ -571,7 +649,8 @@ LYNX_ATTENTION_GFNI_INLINE void decode_chunk_gfni(const std::uint32_t* const* ro
 /// token halves accumulate in channel order, exactly as score_block_avx512.
 /// Any head_dim: a last chunk of D % 16 channels reads only those channels.
 template <int HC>
-LYNX_ATTENTION_GFNI_TARGET inline void score_block_fused_gfni(const std::uint32_t* const* rows, int planes, int D, const float* qs,
+LYNX_ATTENTION_GFNI_TARGET inline void score_block_fused_gfni(const std::uint32_t* const* rows,
+                                                              int planes, int D, const float* qs,
                                                               const float* bias, float* out) {
   __m512i zext[4];
   token_byte_zext_gfni(zext);
@@ -590,7 +669,8 @@ LYNX_ATTENTION_GFNI_TARGET inline void score_block_fused_gfni(const std::uint32_
     }
   };
   int c0 = 0;
-  for (; c0 + 16 <= D; c0 += 16) decode_chunk_gfni(rows, planes, c0, 16, zext, accumulate{qs, D, c0, a});
+  for (; c0 + 16 <= D; c0 += 16)
+    decode_chunk_gfni(rows, planes, c0, 16, zext, accumulate{qs, D, c0, a});
   if (c0 < D) decode_chunk_gfni(rows, planes, c0, D - c0, zext, accumulate{qs, D, c0, a});
   for (int h = 0; h < HC; ++h) {
     _mm512_storeu_ps(out + h * attention_split_tokens, a[h][0]);
@@ -612,11 +692,14 @@ struct value_channel_accumulate {
   __m512 (*wv)[2];
   LYNX_ATTENTION_GFNI_INLINE void operator()(int i, const __m512* k) const {
     const int c = c0 + i;
-    if (c >= *group_end) {  // channels come in order: a new group starts here (no division per channel)
+    if (c >=
+        *group_end) {  // channels come in order: a new group starts here (no division per channel)
       const std::int64_t grp = c / VG;
       for (int h = 0; h < HC; ++h)
         for (int j = 0; j < 2; ++j)
-          wv[h][j] = _mm512_mul_ps(_mm512_loadu_ps(weights + (h * groups + grp) * attention_split_tokens + 16 * j), unscale);
+          wv[h][j] = _mm512_mul_ps(
+              _mm512_loadu_ps(weights + (h * groups + grp) * attention_split_tokens + 16 * j),
+              unscale);
       *group_end = (grp + 1) * VG;
     }
     for (int h = 0; h < HC; ++h) {
@@ -636,10 +719,10 @@ struct value_channel_accumulate {
 /// in token order, so the sums are the same as block by block.
 /// rows0[j]: plane j's words of the first block; stride[j]: words from one block to the next.
 template <int HC>
-LYNX_ATTENTION_GFNI_TARGET inline void add_value_span_fused_gfni(const std::uint32_t* const* rows0, const std::int64_t* stride,
-                                                                 std::int64_t nblocks, int planes, int D, std::int64_t VG,
-                                                                 const float* weights /*[HC][groups][S], at the first block*/,
-                                                                 std::int64_t groups, __m512 unscale, float* lanes /*[HC][D][16]*/) {
+LYNX_ATTENTION_GFNI_TARGET inline void add_value_span_fused_gfni(
+    const std::uint32_t* const* rows0, const std::int64_t* stride, std::int64_t nblocks, int planes,
+    int D, std::int64_t VG, const float* weights /*[HC][groups][S], at the first block*/,
+    std::int64_t groups, __m512 unscale, float* lanes /*[HC][D][16]*/) {
   __m512i zext[4];
   token_byte_zext_gfni(zext);
   __m512 wv[HC][2];
@@ -647,14 +730,19 @@ LYNX_ATTENTION_GFNI_TARGET inline void add_value_span_fused_gfni(const std::uint
   for (int c0 = 0; c0 < D; c0 += 16) {
     const int cn = D - c0 < 16 ? D - c0 : 16;
     for (std::int64_t k = 0; k < nblocks; ++k) {
-      if (c0 == 0 && k + prefetch_blocks < nblocks)  // the first pass brings every line of the blocks ahead
+      if (c0 == 0 &&
+          k + prefetch_blocks < nblocks)  // the first pass brings every line of the blocks ahead
         for (int j = 0; j < planes; ++j)
-          for (int c = 0; c < D; c += 16) __builtin_prefetch(rows0[j] + (k + prefetch_blocks) * stride[j] + c, 0, 3);
+          for (int c = 0; c < D; c += 16)
+            __builtin_prefetch(rows0[j] + (k + prefetch_blocks) * stride[j] + c, 0, 3);
       for (int j = 0; j < planes; ++j) rows[j] = rows0[j] + k * stride[j];
       std::int64_t group_end = 0;  // reload the weights at this chunk's first channel
-      const value_channel_accumulate<HC> add{weights + k * attention_block_tokens, VG, groups, unscale, lanes, D, c0, &group_end, wv};
-      if (cn == 16) decode_chunk_gfni(rows, planes, c0, 16, zext, add);
-      else decode_chunk_gfni(rows, planes, c0, cn, zext, add);
+      const value_channel_accumulate<HC> add{
+          weights + k * attention_block_tokens, VG, groups, unscale, lanes, D, c0, &group_end, wv};
+      if (cn == 16)
+        decode_chunk_gfni(rows, planes, c0, 16, zext, add);
+      else
+        decode_chunk_gfni(rows, planes, c0, cn, zext, add);
     }
   }
 }
@@ -664,7 +752,8 @@ inline int decoded_bits(int planes) { return planes > 8 ? 16 : 8; }
 
 /// Codes of one block into tile[c][32]: the GFNI transposer where the CPU has
 /// it (then values are prefix << (decoded_bits - P)), else rotations (prefix).
-LYNX_ATTENTION_AVX512_TARGET inline int decode_block(const std::uint32_t* const* rows, int planes, int D, float* tile) {
+LYNX_ATTENTION_AVX512_TARGET inline int decode_block(const std::uint32_t* const* rows, int planes,
+                                                     int D, float* tile) {
   if (host_has_gfni() && D % 16 == 0) {
     decode_block_gfni(rows, planes, D, tile);
     return decoded_bits(planes) - planes;
@@ -673,9 +762,12 @@ LYNX_ATTENTION_AVX512_TARGET inline int decode_block(const std::uint32_t* const*
   return 0;
 }
 
-/// scores of up to 4 heads against one decoded key block: s = bias + sum_c qs[c] * code[c], channel order.
+/// scores of up to 4 heads against one decoded key block: s = bias + sum_c qs[c] * code[c], channel
+/// order.
 template <int HC>
-LYNX_ATTENTION_AVX512_TARGET inline void score_block_avx512(const float* tile, int D, const float* qs, const float* bias, float* out) {
+LYNX_ATTENTION_AVX512_TARGET inline void score_block_avx512(const float* tile, int D,
+                                                            const float* qs, const float* bias,
+                                                            float* out) {
   __m512 a[HC][2];
   for (int h = 0; h < HC; ++h) a[h][0] = a[h][1] = _mm512_set1_ps(bias[h]);
   for (int c = 0; c < D; ++c) {
@@ -693,8 +785,10 @@ LYNX_ATTENTION_AVX512_TARGET inline void score_block_avx512(const float* tile, i
 }
 
 template <stream_plan_type Plan, int G>
-LYNX_ATTENTION_AVX512_TARGET void score_tokens_avx512(const plane_kv_source<Plan, G>& src, std::int64_t kv_head, const float* q, int heads,
-                                            std::int64_t t0, std::int64_t t1, const split_scratch& w) {
+LYNX_ATTENTION_AVX512_TARGET void score_tokens_avx512(const plane_kv_source<Plan, G>& src,
+                                                      std::int64_t kv_head, const float* q,
+                                                      int heads, std::int64_t t0, std::int64_t t1,
+                                                      const split_scratch& w) {
   const layer_geometry& g = src.view.geometry;
   const int D = static_cast<int>(g.head_dim);
   // the tile holds prefix << shift: fold 2^-shift into the query (exact, a power of two)
@@ -709,13 +803,14 @@ LYNX_ATTENTION_AVX512_TARGET void score_tokens_avx512(const plane_kv_source<Plan
     if (grp != folded_group) {
       const std::int64_t base = (kv_head * g.key_token_groups() + grp) * D;
       for (int h = 0; h < heads; ++h)
-        w.bias[h] = fold_query_avx512(q + h * D, src.view.key_scale() + base, src.view.key_zero() + base, D, unit, half,
-                                              w.qs + h * D);
+        w.bias[h] = fold_query_avx512(q + h * D, src.view.key_scale() + base,
+                                      src.view.key_zero() + base, D, unit, half, w.qs + h * D);
       folded_group = grp;
     }
     src.prefetch_block(true, kv_head, b + prefetch_blocks);
     if (b + prefetch_blocks < g.blocks()) {  // the key parameters of that block's group
-      const std::int64_t pf = (kv_head * g.key_token_groups() + (b + prefetch_blocks) * attention_block_tokens / G) * D;
+      const std::int64_t pf =
+          (kv_head * g.key_token_groups() + (b + prefetch_blocks) * attention_block_tokens / G) * D;
       for (int c = 0; c < D; c += 16) {
         __builtin_prefetch(src.view.key_scale() + pf + c, 0, 3);
         __builtin_prefetch(src.view.key_zero() + pf + c, 0, 3);
@@ -728,26 +823,53 @@ LYNX_ATTENTION_AVX512_TARGET void score_tokens_avx512(const plane_kv_source<Plan
         const float* qh = w.qs + h * D;
         float* o = out + h * attention_split_tokens;
         switch (std::min(8, heads - h)) {
-          case 1: score_block_fused_gfni<1>(rows, src.planes, D, qh, w.bias + h, o); break;
-          case 2: score_block_fused_gfni<2>(rows, src.planes, D, qh, w.bias + h, o); break;
-          case 3: score_block_fused_gfni<3>(rows, src.planes, D, qh, w.bias + h, o); break;
-          case 4: score_block_fused_gfni<4>(rows, src.planes, D, qh, w.bias + h, o); break;
-          case 5: score_block_fused_gfni<5>(rows, src.planes, D, qh, w.bias + h, o); break;
-          case 6: score_block_fused_gfni<6>(rows, src.planes, D, qh, w.bias + h, o); break;
-          case 7: score_block_fused_gfni<7>(rows, src.planes, D, qh, w.bias + h, o); break;
-          default: score_block_fused_gfni<8>(rows, src.planes, D, qh, w.bias + h, o); break;
+          case 1:
+            score_block_fused_gfni<1>(rows, src.planes, D, qh, w.bias + h, o);
+            break;
+          case 2:
+            score_block_fused_gfni<2>(rows, src.planes, D, qh, w.bias + h, o);
+            break;
+          case 3:
+            score_block_fused_gfni<3>(rows, src.planes, D, qh, w.bias + h, o);
+            break;
+          case 4:
+            score_block_fused_gfni<4>(rows, src.planes, D, qh, w.bias + h, o);
+            break;
+          case 5:
+            score_block_fused_gfni<5>(rows, src.planes, D, qh, w.bias + h, o);
+            break;
+          case 6:
+            score_block_fused_gfni<6>(rows, src.planes, D, qh, w.bias + h, o);
+            break;
+          case 7:
+            score_block_fused_gfni<7>(rows, src.planes, D, qh, w.bias + h, o);
+            break;
+          default:
+            score_block_fused_gfni<8>(rows, src.planes, D, qh, w.bias + h, o);
+            break;
         }
       }
       continue;
     }
     decode_block(rows, src.planes, D, w.tile);
     int h = 0;
-    for (; h + 4 <= heads; h += 4) score_block_avx512<4>(w.tile, D, w.qs + h * D, w.bias + h, out + h * attention_split_tokens);
+    for (; h + 4 <= heads; h += 4)
+      score_block_avx512<4>(w.tile, D, w.qs + h * D, w.bias + h, out + h * attention_split_tokens);
     switch (heads - h) {
-      case 1: score_block_avx512<1>(w.tile, D, w.qs + h * D, w.bias + h, out + h * attention_split_tokens); break;
-      case 2: score_block_avx512<2>(w.tile, D, w.qs + h * D, w.bias + h, out + h * attention_split_tokens); break;
-      case 3: score_block_avx512<3>(w.tile, D, w.qs + h * D, w.bias + h, out + h * attention_split_tokens); break;
-      default: break;
+      case 1:
+        score_block_avx512<1>(w.tile, D, w.qs + h * D, w.bias + h,
+                              out + h * attention_split_tokens);
+        break;
+      case 2:
+        score_block_avx512<2>(w.tile, D, w.qs + h * D, w.bias + h,
+                              out + h * attention_split_tokens);
+        break;
+      case 3:
+        score_block_avx512<3>(w.tile, D, w.qs + h * D, w.bias + h,
+                              out + h * attention_split_tokens);
+        break;
+      default:
+        break;
     }
   }
 }
@@ -755,15 +877,18 @@ LYNX_ATTENTION_AVX512_TARGET void score_tokens_avx512(const plane_kv_source<Plan
 /// Adds `blocks` (1 or 2) decoded value blocks to the lanes of HC heads, channel
 /// by channel: lane l gains w[t] * code[t] for t = l, 16 + l of each block in order.
 template <int HC, int Blocks>
-LYNX_ATTENTION_AVX512_TARGET inline void add_value_blocks_avx512(const float* tile, int D, std::int64_t c_begin, std::int64_t c_end,
-                                                       const float* const* wts /*[HC] -> weights of the first block*/, __m512 unscale0,
-                                                       __m512 unscale1, float* lanes /*[HC][D][16]*/) {
+LYNX_ATTENTION_AVX512_TARGET inline void add_value_blocks_avx512(
+    const float* tile, int D, std::int64_t c_begin, std::int64_t c_end,
+    const float* const* wts /*[HC] -> weights of the first block*/, __m512 unscale0,
+    __m512 unscale1, float* lanes /*[HC][D][16]*/) {
   __m512 wv[HC][2 * Blocks];
   for (int h = 0; h < HC; ++h)
-    for (int k = 0; k < 2 * Blocks; ++k) wv[h][k] = _mm512_mul_ps(_mm512_loadu_ps(wts[h] + 16 * k), k < 2 ? unscale0 : unscale1);
+    for (int k = 0; k < 2 * Blocks; ++k)
+      wv[h][k] = _mm512_mul_ps(_mm512_loadu_ps(wts[h] + 16 * k), k < 2 ? unscale0 : unscale1);
   for (std::int64_t c = c_begin; c < c_end; ++c) {
     __m512 code[2 * Blocks];
-    for (int k = 0; k < 2 * Blocks; ++k) code[k] = _mm512_load_ps(tile + (k / 2) * D * 32 + c * 32 + 16 * (k % 2));
+    for (int k = 0; k < 2 * Blocks; ++k)
+      code[k] = _mm512_load_ps(tile + (k / 2) * D * 32 + c * 32 + 16 * (k % 2));
     for (int h = 0; h < HC; ++h) {
       float* lane = lanes + (static_cast<std::int64_t>(h) * D + c) * 16;
       __m512 x = _mm512_load_ps(lane);
@@ -776,8 +901,10 @@ LYNX_ATTENTION_AVX512_TARGET inline void add_value_blocks_avx512(const float* ti
 /// Values over tokens [t0, t1) with lane = token (see accumulate_values_portable),
 /// two blocks per pass so each lane is loaded and stored once per 64 tokens.
 template <stream_plan_type Plan, int G>
-LYNX_ATTENTION_AVX512_TARGET void accumulate_values_avx512(const plane_kv_source<Plan, G>& src, std::int64_t kv_head, int heads, std::int64_t t0,
-                                                 std::int64_t t1, float* acc, const split_scratch& w) {
+LYNX_ATTENTION_AVX512_TARGET void accumulate_values_avx512(const plane_kv_source<Plan, G>& src,
+                                                           std::int64_t kv_head, int heads,
+                                                           std::int64_t t0, std::int64_t t1,
+                                                           float* acc, const split_scratch& w) {
   const layer_geometry& g = src.view.geometry;
   const int D = static_cast<int>(g.head_dim);
   const std::int64_t groups = g.value_channel_groups(), VG = g.value_group;
@@ -785,7 +912,8 @@ LYNX_ATTENTION_AVX512_TARGET void accumulate_values_avx512(const plane_kv_source
   const std::uint32_t* rows[16];
   const std::int64_t b_end = (t1 + attention_block_tokens - 1) / attention_block_tokens;
   if (host_has_gfni()) {  // decode in registers, chunk of 16 channels by chunk
-    const __m512 unscale = _mm512_set1_ps(std::ldexp(1.0f, -(decoded_bits(src.planes) - src.planes)));
+    const __m512 unscale =
+        _mm512_set1_ps(std::ldexp(1.0f, -(decoded_bits(src.planes) - src.planes)));
     const std::int64_t b0 = t0 / attention_block_tokens, nblocks = b_end - b0;
     const std::uint32_t* next[16];
     std::int64_t stride[16] = {};
@@ -794,16 +922,29 @@ LYNX_ATTENTION_AVX512_TARGET void accumulate_values_avx512(const plane_kv_source
       src.block_rows(false, kv_head, b0 + 1, next);
       for (int j = 0; j < src.planes; ++j) stride[j] = next[j] - rows[j];
     }
-    for (std::int64_t k = 0; k < prefetch_blocks && k < nblocks; ++k) src.prefetch_block(false, kv_head, b0 + k);
+    for (std::int64_t k = 0; k < prefetch_blocks && k < nblocks; ++k)
+      src.prefetch_block(false, kv_head, b0 + k);
     const std::int64_t off = b0 * attention_block_tokens - t0;
     for (int h0 = 0; h0 < heads; h0 += 4) {
       const float* wts = w.weights + h0 * groups * attention_split_tokens + off;
       float* lanes = w.lanes + static_cast<std::int64_t>(h0) * D * 16;
       switch (std::min(4, heads - h0)) {
-        case 1: add_value_span_fused_gfni<1>(rows, stride, nblocks, src.planes, D, VG, wts, groups, unscale, lanes); break;
-        case 2: add_value_span_fused_gfni<2>(rows, stride, nblocks, src.planes, D, VG, wts, groups, unscale, lanes); break;
-        case 3: add_value_span_fused_gfni<3>(rows, stride, nblocks, src.planes, D, VG, wts, groups, unscale, lanes); break;
-        default: add_value_span_fused_gfni<4>(rows, stride, nblocks, src.planes, D, VG, wts, groups, unscale, lanes); break;
+        case 1:
+          add_value_span_fused_gfni<1>(rows, stride, nblocks, src.planes, D, VG, wts, groups,
+                                       unscale, lanes);
+          break;
+        case 2:
+          add_value_span_fused_gfni<2>(rows, stride, nblocks, src.planes, D, VG, wts, groups,
+                                       unscale, lanes);
+          break;
+        case 3:
+          add_value_span_fused_gfni<3>(rows, stride, nblocks, src.planes, D, VG, wts, groups,
+                                       unscale, lanes);
+          break;
+        default:
+          add_value_span_fused_gfni<4>(rows, stride, nblocks, src.planes, D, VG, wts, groups,
+                                       unscale, lanes);
+          break;
       }
     }
     finish_value_lanes(w.lanes, heads, D, VG, groups, w.offsets, acc);
@@ -816,7 +957,8 @@ LYNX_ATTENTION_AVX512_TARGET void accumulate_values_avx512(const plane_kv_source
       src.prefetch_block(false, kv_head, b + k + prefetch_blocks);
       src.block_rows(false, kv_head, b + k, rows);
       // the tile holds prefix << shift: scale the weights by 2^-shift (exact)
-      unscale[k] = _mm512_set1_ps(std::ldexp(1.0f, -decode_block(rows, src.planes, D, w.tile + k * D * attention_block_tokens)));
+      unscale[k] = _mm512_set1_ps(std::ldexp(
+          1.0f, -decode_block(rows, src.planes, D, w.tile + k * D * attention_block_tokens)));
     }
     if (nb == 1) unscale[1] = unscale[0];
     const std::int64_t off = b * attention_block_tokens - t0;
@@ -824,17 +966,27 @@ LYNX_ATTENTION_AVX512_TARGET void accumulate_values_avx512(const plane_kv_source
       for (int h0 = 0; h0 < heads; h0 += 4) {
         const int hc = std::min(4, heads - h0);
         const float* wts[4];
-        for (int h = 0; h < hc; ++h) wts[h] = w.weights + ((h0 + h) * groups + grp) * attention_split_tokens + off;
+        for (int h = 0; h < hc; ++h)
+          wts[h] = w.weights + ((h0 + h) * groups + grp) * attention_split_tokens + off;
         float* lanes = w.lanes + static_cast<std::int64_t>(h0) * D * 16;
         const std::int64_t c0 = grp * VG, c1 = c0 + VG;
-#define LYNX_ADD_VALUES(HC)                                                                                         \
-  (nb == 2 ? add_value_blocks_avx512<HC, 2>(w.tile, D, c0, c1, wts, unscale[0], unscale[1], lanes)                  \
-           : add_value_blocks_avx512<HC, 1>(w.tile, D, c0, c1, wts, unscale[0], unscale[1], lanes))
+#define LYNX_ADD_VALUES(HC)                                                                    \
+  (nb == 2                                                                                     \
+       ? add_value_blocks_avx512<HC, 2>(w.tile, D, c0, c1, wts, unscale[0], unscale[1], lanes) \
+       : add_value_blocks_avx512<HC, 1>(w.tile, D, c0, c1, wts, unscale[0], unscale[1], lanes))
         switch (hc) {
-          case 1: LYNX_ADD_VALUES(1); break;
-          case 2: LYNX_ADD_VALUES(2); break;
-          case 3: LYNX_ADD_VALUES(3); break;
-          default: LYNX_ADD_VALUES(4); break;
+          case 1:
+            LYNX_ADD_VALUES(1);
+            break;
+          case 2:
+            LYNX_ADD_VALUES(2);
+            break;
+          case 3:
+            LYNX_ADD_VALUES(3);
+            break;
+          default:
+            LYNX_ADD_VALUES(4);
+            break;
         }
 #undef LYNX_ADD_VALUES
       }
@@ -850,7 +1002,8 @@ LYNX_ATTENTION_AVX512_TARGET inline __m512 load16_avx512(const T* p) {
     return _mm512_loadu_ps(p);
   } else {
     static_assert(std::is_same_v<T, bf16>, "AVX-512 dense kernels read float or bf16");
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
   }
 }
 
@@ -859,12 +1012,16 @@ LYNX_ATTENTION_AVX512_TARGET inline __m512 load16_avx512(const T* p) {
 LYNX_ATTENTION_AVX512_TARGET inline __m512 fold16_avx512(__m512* v) {
   __m512 x[8], y[4], z[2];
   for (int i = 0; i < 8; ++i)  // lanes 0-7 of v[2i] + lanes 8-15, then the same of v[2i+1]
-    x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44), _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+    x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
   for (int i = 0; i < 4; ++i)  // chunks (x0, x2 | y0, y2) + (x1, x3 | y1, y3)
-    y[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0x88), _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0xDD));
+    y[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0xDD));
   for (int i = 0; i < 2; ++i)
-    z[i] = _mm512_add_ps(_mm512_shuffle_ps(y[2 * i], y[2 * i + 1], 0x44), _mm512_shuffle_ps(y[2 * i], y[2 * i + 1], 0xEE));
-  const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(z[0], z[1], 0x88), _mm512_shuffle_ps(z[0], z[1], 0xDD));
+    z[i] = _mm512_add_ps(_mm512_shuffle_ps(y[2 * i], y[2 * i + 1], 0x44),
+                         _mm512_shuffle_ps(y[2 * i], y[2 * i + 1], 0xEE));
+  const __m512 r =
+      _mm512_add_ps(_mm512_shuffle_ps(z[0], z[1], 0x88), _mm512_shuffle_ps(z[0], z[1], 0xDD));
   // lane (chunk k, position i) now holds the token whose index the table gives
   return r;
 }
@@ -885,21 +1042,26 @@ LYNX_ATTENTION_AVX512_TARGET inline __m512i fold16_token_order_avx512() {
 /// known at compile time): the query stays in registers and the 16 tokens' chains
 /// interleave; each token's 16 lanes accumulate in channel order as in dense_score.
 template <int NV>
-LYNX_ATTENTION_AVX512_TARGET inline void score_dense_block_avx512(const float* rows, const float* qh, __m512i perm, float* out) {
+LYNX_ATTENTION_AVX512_TARGET inline void score_dense_block_avx512(const float* rows,
+                                                                  const float* qh, __m512i perm,
+                                                                  float* out) {
   __m512 qv[NV];
   for (int k = 0; k < NV; ++k) qv[k] = _mm512_loadu_ps(qh + 16 * k);
   __m512 v[16];
   for (int i = 0; i < 16; ++i) {
     __m512 a = _mm512_setzero_ps();
-    for (int k = 0; k < NV; ++k) a = _mm512_fmadd_ps(qv[k], _mm512_load_ps(rows + (i * NV + k) * 16), a);
+    for (int k = 0; k < NV; ++k)
+      a = _mm512_fmadd_ps(qv[k], _mm512_load_ps(rows + (i * NV + k) * 16), a);
     v[i] = a;
   }
   _mm512_storeu_ps(out, _mm512_permutexvar_ps(perm, fold16_avx512(v)));
 }
 
 template <class T>
-LYNX_ATTENTION_AVX512_TARGET void score_tokens_avx512(const dense_kv_source<T>& src, std::int64_t kv_head, const float* q, int heads,
-                                            std::int64_t t0, std::int64_t t1, const split_scratch& w) {
+LYNX_ATTENTION_AVX512_TARGET void score_tokens_avx512(const dense_kv_source<T>& src,
+                                                      std::int64_t kv_head, const float* q,
+                                                      int heads, std::int64_t t0, std::int64_t t1,
+                                                      const split_scratch& w) {
   const int D = src.head_dim();
   static const __m512i perm = fold16_token_order_avx512();
   std::int64_t t = t0;
@@ -907,39 +1069,56 @@ LYNX_ATTENTION_AVX512_TARGET void score_tokens_avx512(const dense_kv_source<T>& 
   for (; t + 16 <= t1; t += 16) {
     for (int i = 0; i < 16; ++i) {
       const T* k = &src.keys(t + i, kv_head, 0);
-      if (i + 32 < t1 - t) {  // rows are kv_heads * head_dim apart: ask for each line of the row 32 tokens ahead
+      if (i + 32 < t1 - t) {  // rows are kv_heads * head_dim apart: ask for each line of the row 32
+                              // tokens ahead
         const char* ahead = reinterpret_cast<const char*>(&src.keys(t + i + 32, kv_head, 0));
-        for (std::size_t off = 0; off < D * sizeof(T); off += 64) __builtin_prefetch(ahead + off, 0, 3);
+        for (std::size_t off = 0; off < D * sizeof(T); off += 64)
+          __builtin_prefetch(ahead + off, 0, 3);
       }
       for (int c = 0; c < D; c += 16) _mm512_store_ps(rows + i * D + c, load16_avx512(k + c));
     }
     for (int h = 0; h < heads; ++h) {
       float* out = w.scores + h * attention_split_tokens + (t - t0);
       switch (D) {
-        case 16: score_dense_block_avx512<1>(rows, q + h * D, perm, out); continue;
-        case 32: score_dense_block_avx512<2>(rows, q + h * D, perm, out); continue;
-        case 64: score_dense_block_avx512<4>(rows, q + h * D, perm, out); continue;
-        case 128: score_dense_block_avx512<8>(rows, q + h * D, perm, out); continue;
-        default: break;
+        case 16:
+          score_dense_block_avx512<1>(rows, q + h * D, perm, out);
+          continue;
+        case 32:
+          score_dense_block_avx512<2>(rows, q + h * D, perm, out);
+          continue;
+        case 64:
+          score_dense_block_avx512<4>(rows, q + h * D, perm, out);
+          continue;
+        case 128:
+          score_dense_block_avx512<8>(rows, q + h * D, perm, out);
+          continue;
+        default:
+          break;
       }
       __m512 v[16];
       const float* qh = q + h * D;
       for (int i = 0; i < 16; ++i) {
         __m512 a = _mm512_setzero_ps();
-        for (int c = 0; c < D; c += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(qh + c), _mm512_load_ps(rows + i * D + c), a);
+        for (int c = 0; c < D; c += 16)
+          a = _mm512_fmadd_ps(_mm512_loadu_ps(qh + c), _mm512_load_ps(rows + i * D + c), a);
         v[i] = a;
       }
-      _mm512_storeu_ps(w.scores + h * attention_split_tokens + (t - t0), _mm512_permutexvar_ps(perm, fold16_avx512(v)));
+      _mm512_storeu_ps(w.scores + h * attention_split_tokens + (t - t0),
+                       _mm512_permutexvar_ps(perm, fold16_avx512(v)));
     }
   }
   for (; t < t1; ++t)
     for (int h = 0; h < heads; ++h)
-      w.scores[h * attention_split_tokens + (t - t0)] = dense_score(q + h * D, &src.keys(t, kv_head, 0), 1, D);
+      w.scores[h * attention_split_tokens + (t - t0)] =
+          dense_score(q + h * D, &src.keys(t, kv_head, 0), 1, D);
 }
 
 template <int HC, int NV, class T>
-LYNX_ATTENTION_AVX512_TARGET void accumulate_dense_chunk_avx512(const dense_kv_source<T>& src, std::int64_t kv_head, std::int64_t t0,
-                                                                std::int64_t t1, int c0, const float* p /*[HC][S]*/, float* acc, int D) {
+LYNX_ATTENTION_AVX512_TARGET void accumulate_dense_chunk_avx512(const dense_kv_source<T>& src,
+                                                                std::int64_t kv_head,
+                                                                std::int64_t t0, std::int64_t t1,
+                                                                int c0, const float* p /*[HC][S]*/,
+                                                                float* acc, int D) {
   __m512 a[HC][NV];
   for (int h = 0; h < HC; ++h)
     for (int k = 0; k < NV; ++k) a[h][k] = _mm512_setzero_ps();
@@ -947,7 +1126,8 @@ LYNX_ATTENTION_AVX512_TARGET void accumulate_dense_chunk_avx512(const dense_kv_s
     const T* row = &src.values(t, kv_head, c0);
     if (t + 16 < t1) {
       const char* ahead = reinterpret_cast<const char*>(&src.values(t + 16, kv_head, c0));
-      for (std::size_t off = 0; off < 16 * NV * sizeof(T); off += 64) __builtin_prefetch(ahead + off, 0, 3);
+      for (std::size_t off = 0; off < 16 * NV * sizeof(T); off += 64)
+        __builtin_prefetch(ahead + off, 0, 3);
     }
     __m512 v[NV];
     for (int k = 0; k < NV; ++k) v[k] = load16_avx512(row + 16 * k);
@@ -961,16 +1141,27 @@ LYNX_ATTENTION_AVX512_TARGET void accumulate_dense_chunk_avx512(const dense_kv_s
 }
 
 template <int NV, class T>
-LYNX_ATTENTION_AVX512_TARGET void accumulate_dense_avx512(const dense_kv_source<T>& src, std::int64_t kv_head, int heads, std::int64_t t0,
-                                                          std::int64_t t1, float* acc, const split_scratch& w, int D) {
+LYNX_ATTENTION_AVX512_TARGET void accumulate_dense_avx512(const dense_kv_source<T>& src,
+                                                          std::int64_t kv_head, int heads,
+                                                          std::int64_t t0, std::int64_t t1,
+                                                          float* acc, const split_scratch& w,
+                                                          int D) {
   for (int h = 0; h < heads; h += 4) {
     const float* p = w.scores + h * attention_split_tokens;
     for (int c0 = 0; c0 < D; c0 += 16 * NV) {
       switch (std::min(4, heads - h)) {
-        case 1: accumulate_dense_chunk_avx512<1, NV>(src, kv_head, t0, t1, c0, p, acc + h * D, D); break;
-        case 2: accumulate_dense_chunk_avx512<2, NV>(src, kv_head, t0, t1, c0, p, acc + h * D, D); break;
-        case 3: accumulate_dense_chunk_avx512<3, NV>(src, kv_head, t0, t1, c0, p, acc + h * D, D); break;
-        default: accumulate_dense_chunk_avx512<4, NV>(src, kv_head, t0, t1, c0, p, acc + h * D, D); break;
+        case 1:
+          accumulate_dense_chunk_avx512<1, NV>(src, kv_head, t0, t1, c0, p, acc + h * D, D);
+          break;
+        case 2:
+          accumulate_dense_chunk_avx512<2, NV>(src, kv_head, t0, t1, c0, p, acc + h * D, D);
+          break;
+        case 3:
+          accumulate_dense_chunk_avx512<3, NV>(src, kv_head, t0, t1, c0, p, acc + h * D, D);
+          break;
+        default:
+          accumulate_dense_chunk_avx512<4, NV>(src, kv_head, t0, t1, c0, p, acc + h * D, D);
+          break;
       }
     }
   }
@@ -978,12 +1169,17 @@ LYNX_ATTENTION_AVX512_TARGET void accumulate_dense_avx512(const dense_kv_source<
 
 /// Dense values, lane = channel, token order: 4 heads x 64 channels of accumulators.
 template <class T>
-LYNX_ATTENTION_AVX512_TARGET void accumulate_values_avx512(const dense_kv_source<T>& src, std::int64_t kv_head, int heads, std::int64_t t0,
-                                                           std::int64_t t1, float* acc, const split_scratch& w) {
+LYNX_ATTENTION_AVX512_TARGET void accumulate_values_avx512(const dense_kv_source<T>& src,
+                                                           std::int64_t kv_head, int heads,
+                                                           std::int64_t t0, std::int64_t t1,
+                                                           float* acc, const split_scratch& w) {
   const int D = src.head_dim();
-  if (D % 64 == 0) accumulate_dense_avx512<4>(src, kv_head, heads, t0, t1, acc, w, D);
-  else if (D % 32 == 0) accumulate_dense_avx512<2>(src, kv_head, heads, t0, t1, acc, w, D);
-  else accumulate_dense_avx512<1>(src, kv_head, heads, t0, t1, acc, w, D);
+  if (D % 64 == 0)
+    accumulate_dense_avx512<4>(src, kv_head, heads, t0, t1, acc, w, D);
+  else if (D % 32 == 0)
+    accumulate_dense_avx512<2>(src, kv_head, heads, t0, t1, acc, w, D);
+  else
+    accumulate_dense_avx512<1>(src, kv_head, heads, t0, t1, acc, w, D);
 }
 
 #if defined(__GNUC__) && !defined(__clang__)
@@ -994,7 +1190,8 @@ LYNX_ATTENTION_AVX512_TARGET void accumulate_values_avx512(const dense_kv_source
 /// Whether the AVX-512 kernels handle this source (else the portable ones do).
 template <stream_plan_type Plan, int G>
 bool avx512_supports(const plane_kv_source<Plan, G>&) {
-  return G % attention_block_tokens == 0;  // one key group per 32-token block; any head_dim and value group
+  return G % attention_block_tokens ==
+         0;  // one key group per 32-token block; any head_dim and value group
 }
 template <class T>
 bool avx512_supports(const dense_kv_source<T>& src) {
@@ -1005,8 +1202,9 @@ bool avx512_supports(const dense_kv_source<T>& src) {
 /// `heads` query heads over tokens [t0, t1) with tokens before `first_visible` masked.
 /// q: [heads][D], already multiplied by the softmax scale. m, l: [heads]; acc: [heads][D].
 template <class Source, class Variant>
-void compute_split(const Source& src, std::int64_t kv_head, const float* q, int heads, std::int64_t t0, std::int64_t t1,
-                   std::int64_t first_visible, const Variant& variant, bool simd, const split_scratch& w, float* m, float* l,
+void compute_split(const Source& src, std::int64_t kv_head, const float* q, int heads,
+                   std::int64_t t0, std::int64_t t1, std::int64_t first_visible,
+                   const Variant& variant, bool simd, const split_scratch& w, float* m, float* l,
                    float* acc) {
   const std::int64_t n = t1 - t0;
   (void)simd;
@@ -1054,7 +1252,8 @@ void compute_split(const Source& src, std::int64_t kv_head, const float* q, int 
   }
   if constexpr (requires { src.view; }) {
 #if LYNX_ATTENTION_AVX512
-    if (simd) value_weights_avx512(src, kv_head, heads, t0, t1, w);
+    if (simd)
+      value_weights_avx512(src, kv_head, heads, t0, t1, w);
     else
 #endif
       value_weights_portable(src, kv_head, heads, t0, t1, w);

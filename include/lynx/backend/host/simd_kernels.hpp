@@ -498,6 +498,11 @@ void encode_unit(const kv_view<const T, host_space>& keys, const kv_view<const T
 // ---------------------------------------------------------------------------
 // Reconstruct.
 
+/// Asks for [p, p + bytes) to be brought into L1.
+inline void prefetch_bytes(const void* p, std::int64_t bytes) {
+  for (std::int64_t o = 0; o < bytes; o += 64) _mm_prefetch(static_cast<const char*>(p) + o, _MM_HINT_T0);
+}
+
 template <class T>
 bool reconstruct_supported(const kv_view<T, host_space>& keys_out, const kv_view<T, host_space>& values_out, const layer_geometry& g) {
   return keys_out.channel_stride == 1 && values_out.channel_stride == 1 && g.head_dim % 16 == 0 && g.value_group % 16 == 0;

@@ -14,10 +14,10 @@
 // threads: 1 and all hardware threads (the same fork-join the codecs use).
 #include <benchmark/benchmark.h>
 
-#include <ctime>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <ctime>
 #include <map>
 #include <random>
 #include <string>
@@ -35,7 +35,9 @@ constexpr std::int64_t kv_heads = 8, head_dim = 128;
 lynx::kv_shape shape_of(std::int64_t tokens) { return {tokens, kv_heads, head_dim}; }
 
 // Bytes of K and V together at a token count (bf16).
-std::size_t kv_bytes(std::int64_t tokens) { return static_cast<std::size_t>(2 * tokens * kv_heads * head_dim) * sizeof(lynx::bf16); }
+std::size_t kv_bytes(std::int64_t tokens) {
+  return static_cast<std::size_t>(2 * tokens * kv_heads * head_dim) * sizeof(lynx::bf16);
+}
 
 // K and V of one layer: roughly Gaussian per channel with per-channel offsets and
 // a few outlier channels, like real keys; deterministic.
@@ -94,7 +96,9 @@ std::vector<table_row>& table() {
   return t;
 }
 
-int resolved_threads(int threads) { return threads <= 0 ? lynx::detail::hardware_threads() : threads; }
+int resolved_threads(int threads) {
+  return threads <= 0 ? lynx::detail::hardware_threads() : threads;
+}
 
 // Runs body() in the benchmark loop, timing it with a steady clock so the
 // ratio uses the same (wall) time the report shows; also the CPU time of this
@@ -109,11 +113,13 @@ double timed_loop(benchmark::State& state, F&& body) {
     ++iterations;
   }
   const std::chrono::duration<double> elapsed = std::chrono::steady_clock::now() - start;
-  last_cpu_seconds = iterations > 0 ? (thread_cpu_now() - cpu_start) / static_cast<double>(iterations) : 0.0;
+  last_cpu_seconds =
+      iterations > 0 ? (thread_cpu_now() - cpu_start) / static_cast<double>(iterations) : 0.0;
   return iterations > 0 ? elapsed.count() / static_cast<double>(iterations) : 0.0;
 }
 
-void report(benchmark::State& state, const std::string& name, std::int64_t tokens, int threads, double seconds) {
+void report(benchmark::State& state, const std::string& name, std::int64_t tokens, int threads,
+            double seconds) {
   state.SetBytesProcessed(state.iterations() * static_cast<std::int64_t>(kv_bytes(tokens)));
   state.counters["tokens"] = static_cast<double>(tokens);
   double ratio = 0.0, cpu_ratio = 0.0;
@@ -151,8 +157,10 @@ void bm_memcpy(benchmark::State& state) {
     // The same fork-join as the codecs: contiguous chunks of K and of V per thread.
     lynx::detail::parallel_for(threads, threads, [&](std::int64_t i0, std::int64_t i1) {
       for (std::int64_t i = i0; i < i1; ++i) {
-        const std::size_t b = half * static_cast<std::size_t>(i) / static_cast<std::size_t>(threads);
-        const std::size_t e = half * static_cast<std::size_t>(i + 1) / static_cast<std::size_t>(threads);
+        const std::size_t b =
+            half * static_cast<std::size_t>(i) / static_cast<std::size_t>(threads);
+        const std::size_t e =
+            half * static_cast<std::size_t>(i + 1) / static_cast<std::size_t>(threads);
         std::memcpy(out.data() + b, k + b, e - b);
         std::memcpy(out.data() + half + b, v + b, e - b);
       }
@@ -193,13 +201,15 @@ void bm_reconstruct(benchmark::State& state) {
   const int threads = resolved_threads(static_cast<int>(state.range(1)));
   const layer_input& in = input_for(tokens);
   const lynx::kv_shape s = shape_of(tokens);
-  const auto encoded = lynx::encode<Plan, 32, lynx::bf16>(lynx::token_major<const lynx::bf16>(in.keys.data(), s),
-                                                          lynx::token_major<const lynx::bf16>(in.values.data(), s), 0);
+  const auto encoded = lynx::encode<Plan, 32, lynx::bf16>(
+      lynx::token_major<const lynx::bf16>(in.keys.data(), s),
+      lynx::token_major<const lynx::bf16>(in.values.data(), s), 0);
   lynx::host_bitplane_tensor<Plan, 32> tensor(s, 0);
   for (int st = 0; st < Plan::streams; ++st) tensor.accept(encoded.segment(st));
   const auto view = tensor.view_at(Level);
   // Outputs 64-byte aligned, as an engine's cache pages are (and as memcpy's destination).
-  lynx::aligned_buffer keys_out(in.keys.size() * sizeof(lynx::bf16)), values_out(in.values.size() * sizeof(lynx::bf16));
+  lynx::aligned_buffer keys_out(in.keys.size() * sizeof(lynx::bf16)),
+      values_out(in.values.size() * sizeof(lynx::bf16));
   const auto keys = lynx::token_major(reinterpret_cast<lynx::bf16*>(keys_out.data()), s);
   const auto values = lynx::token_major(reinterpret_cast<lynx::bf16*>(values_out.data()), s);
   const lynx::reconstruct_options options{threads};
@@ -208,8 +218,10 @@ void bm_reconstruct(benchmark::State& state) {
     benchmark::DoNotOptimize(keys_out.data());
     benchmark::ClobberMemory();
   });
-  report(state, "reconstruct " + Plan::name() + (Level == Plan::streams ? " full" : " level " + std::to_string(Level)) + " (" +
-                    std::to_string(Plan::planes_at_level(Level)) + " planes)",
+  report(state,
+         "reconstruct " + Plan::name() +
+             (Level == Plan::streams ? " full" : " level " + std::to_string(Level)) + " (" +
+             std::to_string(Plan::planes_at_level(Level)) + " planes)",
          tokens, threads, seconds);
 }
 
@@ -238,11 +250,12 @@ int main(int argc, char** argv) {
   // Closing table: time, bytes/s and ratio to memcpy of the same bytes (same tokens, threads).
   // Wall time for every row; for one thread also CPU time and its ratio (steadier
   // when other work shares the cores).
-  std::printf("\n%-44s %7s %7s %10s %9s %9s %10s %9s\n", "benchmark (bf16, 8 x 128, token-major)", "tokens", "threads", "wall ms",
-              "GB/s", "x memcpy", "cpu ms", "x cpu");
+  std::printf("\n%-44s %7s %7s %10s %9s %9s %10s %9s\n", "benchmark (bf16, 8 x 128, token-major)",
+              "tokens", "threads", "wall ms", "GB/s", "x memcpy", "cpu ms", "x cpu");
   for (const auto& row : table()) {
-    std::printf("%-44s %7lld %7d %10.3f %9.2f %9.2f", row.name.c_str(), static_cast<long long>(row.tokens), row.threads,
-                row.seconds * 1e3, static_cast<double>(kv_bytes(row.tokens)) / row.seconds * 1e-9, row.ratio);
+    std::printf("%-44s %7lld %7d %10.3f %9.2f %9.2f", row.name.c_str(),
+                static_cast<long long>(row.tokens), row.threads, row.seconds * 1e3,
+                static_cast<double>(kv_bytes(row.tokens)) / row.seconds * 1e-9, row.ratio);
     if (row.threads == 1) std::printf(" %10.3f %9.2f", row.cpu_seconds * 1e3, row.cpu_ratio);
     std::printf("\n");
   }

@@ -42,10 +42,15 @@ class encoded_layer {
   static constexpr int group_size = G;
 
   encoded_layer(layer_geometry geometry, std::uint32_t layer) : geometry_(geometry), layer_(layer) {
-    for (int s = 0; s < Plan::streams; ++s) segments_[static_cast<std::size_t>(s)] = aligned_buffer(segment_bytes(geometry_, s));
+    for (int s = 0; s < Plan::streams; ++s)
+      segments_[static_cast<std::size_t>(s)] = aligned_buffer(segment_bytes(geometry_, s));
   }
-  [[nodiscard]] std::span<const std::byte> segment(int s) const { return segments_[static_cast<std::size_t>(s)].span(); }
-  [[nodiscard]] std::span<std::byte> segment(int s) { return segments_[static_cast<std::size_t>(s)].span(); }
+  [[nodiscard]] std::span<const std::byte> segment(int s) const {
+    return segments_[static_cast<std::size_t>(s)].span();
+  }
+  [[nodiscard]] std::span<std::byte> segment(int s) {
+    return segments_[static_cast<std::size_t>(s)].span();
+  }
   [[nodiscard]] const layer_geometry& geometry() const noexcept { return geometry_; }
   [[nodiscard]] std::uint32_t layer() const noexcept { return layer_; }
   [[nodiscard]] std::size_t total_bytes() const noexcept {
@@ -72,28 +77,33 @@ struct quantized_layer {
 namespace detail {
 
 template <class T>
-void check_input_views(const kv_view<const T, host_space>& keys, const kv_view<const T, host_space>& values) {
-  require(keys.data != nullptr && values.data != nullptr, errc::invalid_argument, "encode: null K or V data");
+void check_input_views(const kv_view<const T, host_space>& keys,
+                       const kv_view<const T, host_space>& values) {
+  require(keys.data != nullptr && values.data != nullptr, errc::invalid_argument,
+          "encode: null K or V data");
   require(keys.shape == values.shape, errc::shape_mismatch,
           "K has shape " + to_string(keys.shape) + " but V has shape " + to_string(values.shape));
 }
 
 inline void check_output_spans(const layer_geometry& g, std::span<const std::span<std::byte>> out) {
   require(static_cast<int>(out.size()) == g.plan.streams, errc::invalid_argument,
-          "encode_into: " + std::to_string(out.size()) + " output buffers for a plan of " + std::to_string(g.plan.streams) + " streams");
+          "encode_into: " + std::to_string(out.size()) + " output buffers for a plan of " +
+              std::to_string(g.plan.streams) + " streams");
   for (int s = 0; s < g.plan.streams; ++s)
     require(out[static_cast<std::size_t>(s)].size() == segment_bytes(g, s), errc::invalid_argument,
-            "encode_into: buffer of stream " + std::to_string(s) + " has " + std::to_string(out[static_cast<std::size_t>(s)].size()) +
+            "encode_into: buffer of stream " + std::to_string(s) + " has " +
+                std::to_string(out[static_cast<std::size_t>(s)].size()) +
                 " bytes, the segment needs " + std::to_string(segment_bytes(g, s)));
 }
 
 /// Where a 32-token block's planes go: copies the packed planes (Bits x D words)
 /// into the plane sections of every stream (a stream's planes of one block are contiguous).
-inline void scatter_planes(const layer_geometry& g, const std::uint32_t* packed, std::int64_t h, std::int64_t b, bool keys,
-                           std::span<const std::span<std::byte>> out) {
+inline void scatter_planes(const layer_geometry& g, const std::uint32_t* packed, std::int64_t h,
+                           std::int64_t b, bool keys, std::span<const std::span<std::byte>> out) {
   for (int s = 0; s < g.plan.streams; ++s) {
     std::byte* payload = out[static_cast<std::size_t>(s)].data() + segment_header_bytes;
-    auto* words = reinterpret_cast<std::uint32_t*>(payload + (keys ? g.key_planes_offset(s) : g.value_planes_offset(s)));
+    auto* words = reinterpret_cast<std::uint32_t*>(
+        payload + (keys ? g.key_planes_offset(s) : g.value_planes_offset(s)));
     std::memcpy(words + g.word_index(s, h, b, 0, 0), packed + g.plan.plane_begin(s) * g.head_dim,
                 static_cast<std::size_t>(g.planes_in(s) * g.head_dim) * sizeof(std::uint32_t));
   }
@@ -111,8 +121,9 @@ inline void finish_segments(const layer_geometry& g, std::uint32_t layer, std::u
 
 // Zero the alignment padding between sections so segments are deterministic bytes.
 inline void zero_padding(const layer_geometry& g, std::span<const std::span<std::byte>> out) {
-  for (int s = 0; s < g.plan.streams; ++s) std::memset(out[static_cast<std::size_t>(s)].data() + segment_header_bytes, 0,
-                                                      static_cast<std::size_t>(g.payload_bytes(s)));
+  for (int s = 0; s < g.plan.streams; ++s)
+    std::memset(out[static_cast<std::size_t>(s)].data() + segment_header_bytes, 0,
+                static_cast<std::size_t>(g.payload_bytes(s)));
 }
 
 }  // namespace detail
@@ -126,8 +137,9 @@ inline std::vector<std::size_t> segment_sizes(const layer_geometry& g) {
 
 /// Encodes one layer into caller-provided buffers, out[s] of exactly segment_bytes(g, s).
 template <stream_plan_type Plan, int G = 32, kv_element T>
-void encode_into(kv_view<const T, host_space> keys, kv_view<const T, host_space> values, std::uint32_t layer,
-                 std::span<const std::span<std::byte>> out, const encode_options& options = {}) {
+void encode_into(kv_view<const T, host_space> keys, kv_view<const T, host_space> values,
+                 std::uint32_t layer, std::span<const std::span<std::byte>> out,
+                 const encode_options& options = {}) {
   detail::check_input_views(keys, values);
   const layer_geometry g = make_geometry<Plan, G>(keys.shape);
   detail::check_output_spans(g, out);
@@ -148,44 +160,55 @@ void encode_into(kv_view<const T, host_space> keys, kv_view<const T, host_space>
   if (detail::simd::encode_supported(keys, values, g)) {
     std::array<int, 16> plane_stream{}, plane_local{};
     for (int s = 0, j = 0; s < Plan::streams; ++s)
-      for (int jl = 0; jl < g.planes_in(s); ++jl, ++j) plane_stream[static_cast<std::size_t>(j)] = s, plane_local[static_cast<std::size_t>(j)] = jl;
+      for (int jl = 0; jl < g.planes_in(s); ++jl, ++j)
+        plane_stream[static_cast<std::size_t>(j)] = s,
+        plane_local[static_cast<std::size_t>(j)] = jl;
     std::array<std::uint32_t*, max_streams> key_words{}, value_words{};
     for (int s = 0; s < Plan::streams; ++s) {
       std::byte* payload = out[static_cast<std::size_t>(s)].data() + segment_header_bytes;
-      key_words[static_cast<std::size_t>(s)] = reinterpret_cast<std::uint32_t*>(payload + g.key_planes_offset(s));
-      value_words[static_cast<std::size_t>(s)] = reinterpret_cast<std::uint32_t*>(payload + g.value_planes_offset(s));
+      key_words[static_cast<std::size_t>(s)] =
+          reinterpret_cast<std::uint32_t*>(payload + g.key_planes_offset(s));
+      value_words[static_cast<std::size_t>(s)] =
+          reinterpret_cast<std::uint32_t*>(payload + g.value_planes_offset(s));
     }
     const std::int64_t unit = detail::simd::unit_tokens(g), units = ceil_div(g.tokens, unit);
     bool vector_path_done = true;
     try {
       // Unit-major, head inner: consecutive items read neighbouring bytes of the same
       // token rows (token-major caches), and the next unit's rows are prefetched.
-      detail::parallel_for(options.threads, g.kv_heads * units, [&](std::int64_t i0, std::int64_t i1) {
-        detail::simd::encode_scratch scratch;
-        scratch.size_for(g);
-        std::int64_t segment_total = 0;
-        for (int st = 0; st < Plan::streams; ++st) segment_total += static_cast<std::int64_t>(out[static_cast<std::size_t>(st)].size());
-        scratch.stream = segment_total >= detail::simd::stream_store_min_bytes;
-        for (std::int64_t i = i0; i < i1; ++i) {
-          const std::int64_t h = i % g.kv_heads, u0 = (i / g.kv_heads) * unit, u1 = std::min<std::int64_t>(u0 + unit, g.tokens);
-          detail::simd::next_rows<T> next{&keys, &values};
-          if (i + 1 < i1) {
-            next.h = (i + 1) % g.kv_heads;
-            next.t0 = ((i + 1) / g.kv_heads) * unit;
-            next.t1 = std::min<std::int64_t>(next.t0 + unit, g.tokens);
-          }
-          auto plane_row = [&](const std::array<std::uint32_t*, max_streams>& words) {
-            return [&, h](std::int64_t b, int j) {
-              const int s = plane_stream[static_cast<std::size_t>(j)];
-              return words[static_cast<std::size_t>(s)] + g.word_index(s, h, b, plane_local[static_cast<std::size_t>(j)], 0);
-            };
-          };
-          detail::simd::encode_unit<B, T>(keys, values, g, h, u0, u1, key_scale + h * key_params_per_head, key_zero + h * key_params_per_head,
-                                          value_scale + h * value_params_per_head, value_zero + h * value_params_per_head,
-                                          plane_row(key_words), plane_row(value_words), next, scratch);
-        }
-        _mm_sfence();  // order any non-temporal stores of plane words before the join and the checksums
-      });
+      detail::parallel_for(
+          options.threads, g.kv_heads * units, [&](std::int64_t i0, std::int64_t i1) {
+            detail::simd::encode_scratch scratch;
+            scratch.size_for(g);
+            std::int64_t segment_total = 0;
+            for (int st = 0; st < Plan::streams; ++st)
+              segment_total += static_cast<std::int64_t>(out[static_cast<std::size_t>(st)].size());
+            scratch.stream = segment_total >= detail::simd::stream_store_min_bytes;
+            for (std::int64_t i = i0; i < i1; ++i) {
+              const std::int64_t h = i % g.kv_heads, u0 = (i / g.kv_heads) * unit,
+                                 u1 = std::min<std::int64_t>(u0 + unit, g.tokens);
+              detail::simd::next_rows<T> next{&keys, &values};
+              if (i + 1 < i1) {
+                next.h = (i + 1) % g.kv_heads;
+                next.t0 = ((i + 1) / g.kv_heads) * unit;
+                next.t1 = std::min<std::int64_t>(next.t0 + unit, g.tokens);
+              }
+              auto plane_row = [&](const std::array<std::uint32_t*, max_streams>& words) {
+                return [&, h](std::int64_t b, int j) {
+                  const int s = plane_stream[static_cast<std::size_t>(j)];
+                  return words[static_cast<std::size_t>(s)] +
+                         g.word_index(s, h, b, plane_local[static_cast<std::size_t>(j)], 0);
+                };
+              };
+              detail::simd::encode_unit<B, T>(
+                  keys, values, g, h, u0, u1, key_scale + h * key_params_per_head,
+                  key_zero + h * key_params_per_head, value_scale + h * value_params_per_head,
+                  value_zero + h * value_params_per_head, plane_row(key_words),
+                  plane_row(value_words), next, scratch);
+            }
+            _mm_sfence();  // order any non-temporal stores of plane words before the join and the
+                           // checksums
+          });
     } catch (const detail::simd::needs_portable_path&) {
       vector_path_done = false;
     }
@@ -200,7 +223,8 @@ void encode_into(kv_view<const T, host_space> keys, kv_view<const T, host_space>
   detail::parallel_for(options.threads, g.kv_heads, [&](std::int64_t h0, std::int64_t h1) {
     std::vector<float> lo, hi;
     for (std::int64_t h = h0; h < h1; ++h)
-      detail::key_params_for_head<B>(keys, g, layer, h, key_scale + h * key_params_per_head, key_zero + h * key_params_per_head, lo, hi);
+      detail::key_params_for_head<B>(keys, g, layer, h, key_scale + h * key_params_per_head,
+                                     key_zero + h * key_params_per_head, lo, hi);
   });
   // Phase 2: every (head, block) independently: quantize to a code tile, pack, scatter.
   const std::int64_t blocks = g.blocks();
@@ -210,13 +234,16 @@ void encode_into(kv_view<const T, host_space> keys, kv_view<const T, host_space>
     std::vector<float> scratch(static_cast<std::size_t>(D));
     for (std::int64_t i = i0; i < i1; ++i) {
       const std::int64_t h = i / blocks, b = i % blocks;
-      const std::int64_t t0 = b * tokens_per_word, n = std::min<std::int64_t>(tokens_per_word, g.tokens - t0);
-      detail::quantize_key_block<B>(keys, g, h, t0, n, key_scale + h * key_params_per_head, key_zero + h * key_params_per_head,
-                                    codes.data(), scratch.data());
+      const std::int64_t t0 = b * tokens_per_word,
+                         n = std::min<std::int64_t>(tokens_per_word, g.tokens - t0);
+      detail::quantize_key_block<B>(keys, g, h, t0, n, key_scale + h * key_params_per_head,
+                                    key_zero + h * key_params_per_head, codes.data(),
+                                    scratch.data());
       detail::pack_block<B>(codes.data(), n, D, packed.data());
       detail::scatter_planes(g, packed.data(), h, b, true, out);
-      detail::quantize_value_block<B>(values, g, layer, h, t0, n, value_scale + h * value_params_per_head,
-                                      value_zero + h * value_params_per_head, codes.data(), scratch.data());
+      detail::quantize_value_block<B>(
+          values, g, layer, h, t0, n, value_scale + h * value_params_per_head,
+          value_zero + h * value_params_per_head, codes.data(), scratch.data());
       detail::pack_block<B>(codes.data(), n, D, packed.data());
       detail::scatter_planes(g, packed.data(), h, b, false, out);
     }
@@ -226,25 +253,31 @@ void encode_into(kv_view<const T, host_space> keys, kv_view<const T, host_space>
 
 /// Encodes one layer into newly allocated segments.
 template <stream_plan_type Plan, int G = 32, kv_element T>
-encoded_layer<Plan, G> encode(kv_view<const T, host_space> keys, kv_view<const T, host_space> values, std::uint32_t layer,
+encoded_layer<Plan, G> encode(kv_view<const T, host_space> keys,
+                              kv_view<const T, host_space> values, std::uint32_t layer,
                               const encode_options& options = {}) {
   detail::check_input_views(keys, values);
   encoded_layer<Plan, G> result(make_geometry<Plan, G>(keys.shape), layer);
   std::array<std::span<std::byte>, max_streams> spans{};
   for (int s = 0; s < Plan::streams; ++s) spans[static_cast<std::size_t>(s)] = result.segment(s);
-  encode_into<Plan, G, T>(keys, values, layer, std::span<const std::span<std::byte>>(spans.data(), Plan::streams), options);
+  encode_into<Plan, G, T>(keys, values, layer,
+                          std::span<const std::span<std::byte>>(spans.data(), Plan::streams),
+                          options);
   return result;
 }
 
 template <stream_plan_type Plan, int G = 32, kv_element T>
-encoded_layer<Plan, G> encode(kv_view<T, host_space> keys, kv_view<T, host_space> values, std::uint32_t layer,
+encoded_layer<Plan, G> encode(kv_view<T, host_space> keys, kv_view<T, host_space> values,
+                              std::uint32_t layer,
                               const encode_options& options = {}) requires(!std::is_const_v<T>) {
-  return encode<Plan, G, T>(kv_view<const T, host_space>(keys), kv_view<const T, host_space>(values), layer, options);
+  return encode<Plan, G, T>(kv_view<const T, host_space>(keys),
+                            kv_view<const T, host_space>(values), layer, options);
 }
 
 /// The codes and parameters of a layer, without splitting (the reference for merge).
 template <stream_plan_type Plan, int G = 32, kv_element T>
-quantized_layer quantize(kv_view<const T, host_space> keys, kv_view<const T, host_space> values, std::uint32_t layer = 0) {
+quantized_layer quantize(kv_view<const T, host_space> keys, kv_view<const T, host_space> values,
+                         std::uint32_t layer = 0) {
   detail::check_input_views(keys, values);
   constexpr int B = Plan::bits;
   quantized_layer q;
@@ -263,11 +296,14 @@ quantized_layer quantize(kv_view<const T, host_space> keys, kv_view<const T, hos
     float* kz = q.key_zero.data() + h * g.key_token_groups() * D;
     detail::key_params_for_head<B>(keys, g, layer, h, ks, kz, lo, hi);
     for (std::int64_t b = 0; b < g.blocks(); ++b) {
-      const std::int64_t t0 = b * tokens_per_word, n = std::min<std::int64_t>(tokens_per_word, T_ - t0);
-      detail::quantize_key_block<B>(keys, g, h, t0, n, ks, kz, q.key_codes.data() + (h * T_ + t0) * D, scratch.data());
-      detail::quantize_value_block<B>(values, g, layer, h, t0, n, q.value_scale.data() + h * T_ * g.value_channel_groups(),
-                                      q.value_zero.data() + h * T_ * g.value_channel_groups(), q.value_codes.data() + (h * T_ + t0) * D,
-                                      scratch.data());
+      const std::int64_t t0 = b * tokens_per_word,
+                         n = std::min<std::int64_t>(tokens_per_word, T_ - t0);
+      detail::quantize_key_block<B>(keys, g, h, t0, n, ks, kz,
+                                    q.key_codes.data() + (h * T_ + t0) * D, scratch.data());
+      detail::quantize_value_block<B>(values, g, layer, h, t0, n,
+                                      q.value_scale.data() + h * T_ * g.value_channel_groups(),
+                                      q.value_zero.data() + h * T_ * g.value_channel_groups(),
+                                      q.value_codes.data() + (h * T_ + t0) * D, scratch.data());
     }
   }
   return q;
@@ -275,10 +311,12 @@ quantized_layer quantize(kv_view<const T, host_space> keys, kv_view<const T, hos
 
 /// Splits codes into the segments of a layer.
 template <stream_plan_type Plan, int G = 32>
-encoded_layer<Plan, G> split(const quantized_layer& q, std::uint32_t layer, std::uint64_t generation = 0) {
+encoded_layer<Plan, G> split(const quantized_layer& q, std::uint32_t layer,
+                             std::uint64_t generation = 0) {
   const layer_geometry& g = q.geometry;
-  detail::require(g == make_geometry<Plan, G>(g.shape()), errc::plan_mismatch,
-                  "split: codes were quantized with plan '" + g.plan.name() + "', not '" + Plan::name() + "'");
+  detail::require(
+      g == make_geometry<Plan, G>(g.shape()), errc::plan_mismatch,
+      "split: codes were quantized with plan '" + g.plan.name() + "', not '" + Plan::name() + "'");
   encoded_layer<Plan, G> result(g, layer);
   std::array<std::span<std::byte>, max_streams> spans{};
   for (int s = 0; s < Plan::streams; ++s) spans[static_cast<std::size_t>(s)] = result.segment(s);
@@ -293,7 +331,8 @@ encoded_layer<Plan, G> split(const quantized_layer& q, std::uint32_t layer, std:
   std::vector<std::uint32_t> packed(static_cast<std::size_t>(Plan::bits * D));
   for (std::int64_t h = 0; h < g.kv_heads; ++h)
     for (std::int64_t b = 0; b < g.blocks(); ++b) {
-      const std::int64_t t0 = b * tokens_per_word, n = std::min<std::int64_t>(tokens_per_word, T_ - t0);
+      const std::int64_t t0 = b * tokens_per_word,
+                         n = std::min<std::int64_t>(tokens_per_word, T_ - t0);
       detail::pack_block<Plan::bits>(q.key_codes.data() + (h * T_ + t0) * D, n, D, packed.data());
       detail::scatter_planes(g, packed.data(), h, b, true, out);
       detail::pack_block<Plan::bits>(q.value_codes.data() + (h * T_ + t0) * D, n, D, packed.data());
@@ -306,7 +345,8 @@ encoded_layer<Plan, G> split(const quantized_layer& q, std::uint32_t layer, std:
 namespace detail {
 // Pointers to plane j's words of block (h, b) for j < planes, across streams.
 template <class View>
-void block_plane_rows(const View& v, bool keys, std::int64_t h, std::int64_t b, int planes, const std::uint32_t** rows) {
+void block_plane_rows(const View& v, bool keys, std::int64_t h, std::int64_t b, int planes,
+                      const std::uint32_t** rows) {
   const layer_geometry& g = v.geometry;
   int j = 0;
   for (int s = 0; j < planes; ++s)
@@ -319,7 +359,8 @@ void block_plane_rows(const View& v, bool keys, std::int64_t h, std::int64_t b, 
 template <stream_plan_type Plan, int G>
 quantized_layer merge(const bitplane_tensor<Plan, G, host_space>& tensor) {
   detail::require(tensor.complete(), errc::invalid_argument,
-                  "merge: layer " + std::to_string(tensor.layer()) + " has " + std::to_string(tensor.precision_level()) + " of " +
+                  "merge: layer " + std::to_string(tensor.layer()) + " has " +
+                      std::to_string(tensor.precision_level()) + " of " +
                       std::to_string(Plan::streams) + " streams");
   const auto v = tensor.view();
   const layer_geometry& g = v.geometry;
@@ -338,10 +379,13 @@ quantized_layer merge(const bitplane_tensor<Plan, G, host_space>& tensor) {
     std::uint16_t* dst = which == 0 ? q.key_codes.data() : q.value_codes.data();
     for (std::int64_t h = 0; h < g.kv_heads; ++h)
       for (std::int64_t b = 0; b < g.blocks(); ++b) {
-        const std::int64_t t0 = b * tokens_per_word, n = std::min<std::int64_t>(tokens_per_word, T_ - t0);
+        const std::int64_t t0 = b * tokens_per_word,
+                           n = std::min<std::int64_t>(tokens_per_word, T_ - t0);
         detail::block_plane_rows(v, which == 0, h, b, Plan::bits, rows);
         detail::unpack_block(rows, Plan::bits, n, D, codes.data());
-        for (std::int64_t i = 0; i < n * D; ++i) dst[(h * T_ + t0) * D + i] = static_cast<std::uint16_t>(codes[static_cast<std::size_t>(i)]);
+        for (std::int64_t i = 0; i < n * D; ++i)
+          dst[(h * T_ + t0) * D + i] =
+              static_cast<std::uint16_t>(codes[static_cast<std::size_t>(i)]);
       }
   }
   return q;
@@ -353,50 +397,59 @@ struct reconstruct_options {
 
 /// Dequantizes K and V at the view's precision level into the engine's layout.
 template <stream_plan_type Plan, int G, kv_element T>
-void reconstruct(const bitplane_view<Plan, G, host_space>& v, kv_view<T, host_space> keys_out, kv_view<T, host_space> values_out,
-                 const reconstruct_options& options = {}) {
+void reconstruct(const bitplane_view<Plan, G, host_space>& v, kv_view<T, host_space> keys_out,
+                 kv_view<T, host_space> values_out, const reconstruct_options& options = {}) {
   const layer_geometry& g = v.geometry;
-  detail::require(v.level >= 1, errc::invalid_argument,
-                  "reconstruct: layer " + std::to_string(v.layer) + " has no anchor yet (precision level 0)");
-  detail::require(keys_out.shape == g.shape() && values_out.shape == g.shape(), errc::shape_mismatch,
-                  "reconstruct: outputs " + to_string(keys_out.shape) + " / " + to_string(values_out.shape) + ", the layer is " +
-                      to_string(g.shape()));
+  detail::require(
+      v.level >= 1, errc::invalid_argument,
+      "reconstruct: layer " + std::to_string(v.layer) + " has no anchor yet (precision level 0)");
+  detail::require(keys_out.shape == g.shape() && values_out.shape == g.shape(),
+                  errc::shape_mismatch,
+                  "reconstruct: outputs " + to_string(keys_out.shape) + " / " +
+                      to_string(values_out.shape) + ", the layer is " + to_string(g.shape()));
   constexpr int B = Plan::bits;
   const int P = v.planes();
   const float half = midpoint_offset<B>(P);
-  const std::int64_t D = g.head_dim, T_ = g.tokens, VG = g.value_group, VGs = g.value_channel_groups();
+  const std::int64_t D = g.head_dim, T_ = g.tokens, VG = g.value_group,
+                     VGs = g.value_channel_groups();
   const std::int64_t blocks = g.blocks();
 #if LYNX_HOST_AVX512
   if (detail::simd::reconstruct_supported(keys_out, values_out, g)) {
-    detail::parallel_for(options.threads, g.kv_heads * blocks, [&](std::int64_t i0, std::int64_t i1) {
-      aligned_buffer stage(static_cast<std::size_t>(2 * D / 16 * 8) * sizeof(__m512i));
-      auto* stage_hi = reinterpret_cast<__m512i*>(stage.data());
-      for (std::int64_t i = i0; i < i1; ++i) {
-        const std::int64_t h = i % g.kv_heads, b = i / g.kv_heads;  // block-major: neighbouring output bytes
-        if (i + 2 < i1) {
-          // Inputs of the item after next (plane rows, key and value parameters) come
-          // from 3 x kv_heads strided streams the hardware prefetchers do not follow.
-          const std::int64_t hn = (i + 2) % g.kv_heads, bn = (i + 2) / g.kv_heads;
-          const std::uint32_t* rows[16];
-          for (int which = 0; which < 2; ++which) {
-            detail::block_plane_rows(v, which == 0, hn, bn, P, rows);
-            for (int j = 0; j < P; ++j) detail::simd::prefetch_bytes(rows[j], D * 4);
+    detail::parallel_for(
+        options.threads, g.kv_heads * blocks, [&](std::int64_t i0, std::int64_t i1) {
+          aligned_buffer stage(static_cast<std::size_t>(2 * D / 16 * 8) * sizeof(__m512i));
+          auto* stage_hi = reinterpret_cast<__m512i*>(stage.data());
+          for (std::int64_t i = i0; i < i1; ++i) {
+            const std::int64_t h = i % g.kv_heads,
+                               b = i / g.kv_heads;  // block-major: neighbouring output bytes
+            if (i + 2 < i1) {
+              // Inputs of the item after next (plane rows, key and value parameters) come
+              // from 3 x kv_heads strided streams the hardware prefetchers do not follow.
+              const std::int64_t hn = (i + 2) % g.kv_heads, bn = (i + 2) / g.kv_heads;
+              const std::uint32_t* rows[16];
+              for (int which = 0; which < 2; ++which) {
+                detail::block_plane_rows(v, which == 0, hn, bn, P, rows);
+                for (int j = 0; j < P; ++j) detail::simd::prefetch_bytes(rows[j], D * 4);
+              }
+              const std::int64_t kp =
+                  (hn * g.key_token_groups() + bn * tokens_per_word / g.key_group) * D;
+              detail::simd::prefetch_bytes(v.key_scale() + kp, D * 4);
+              detail::simd::prefetch_bytes(v.key_zero() + kp, D * 4);
+              const std::int64_t vp = (hn * T_ + bn * tokens_per_word) * VGs;
+              const std::int64_t vn =
+                  std::min<std::int64_t>(tokens_per_word, T_ - bn * tokens_per_word) * VGs * 4;
+              detail::simd::prefetch_bytes(v.value_scale() + vp, vn);
+              detail::simd::prefetch_bytes(v.value_zero() + vp, vn);
+            }
+            detail::simd::reconstruct_block<B, T>(
+                g, h, b, P, half, v.key_scale(), v.key_zero(), v.value_scale(), v.value_zero(),
+                [&](bool keys, const std::uint32_t** rows) {
+                  detail::block_plane_rows(v, keys, h, b, P, rows);
+                },
+                keys_out, values_out, stage_hi, stage_hi + D / 16 * 8);
           }
-          const std::int64_t kp = (hn * g.key_token_groups() + bn * tokens_per_word / g.key_group) * D;
-          detail::simd::prefetch_bytes(v.key_scale() + kp, D * 4);
-          detail::simd::prefetch_bytes(v.key_zero() + kp, D * 4);
-          const std::int64_t vp = (hn * T_ + bn * tokens_per_word) * VGs;
-          const std::int64_t vn = std::min<std::int64_t>(tokens_per_word, T_ - bn * tokens_per_word) * VGs * 4;
-          detail::simd::prefetch_bytes(v.value_scale() + vp, vn);
-          detail::simd::prefetch_bytes(v.value_zero() + vp, vn);
-        }
-        detail::simd::reconstruct_block<B, T>(
-            g, h, b, P, half, v.key_scale(), v.key_zero(), v.value_scale(), v.value_zero(),
-            [&](bool keys, const std::uint32_t** rows) { detail::block_plane_rows(v, keys, h, b, P, rows); }, keys_out, values_out,
-            stage_hi, stage_hi + D / 16 * 8);
-      }
-      _mm_sfence();  // order any non-temporal stores of the rows before the join
-    });
+          _mm_sfence();  // order any non-temporal stores of the rows before the join
+        });
     return;
   }
 #endif
@@ -406,7 +459,8 @@ void reconstruct(const bitplane_view<Plan, G, host_space>& v, kv_view<T, host_sp
     const std::uint32_t* rows[16];
     for (std::int64_t i = i0; i < i1; ++i) {
       const std::int64_t h = i / blocks, b = i % blocks;
-      const std::int64_t t0 = b * tokens_per_word, n = std::min<std::int64_t>(tokens_per_word, T_ - t0);
+      const std::int64_t t0 = b * tokens_per_word,
+                         n = std::min<std::int64_t>(tokens_per_word, T_ - t0);
       // keys: per channel parameters of the token's group
       detail::block_plane_rows(v, true, h, b, P, rows);
       detail::unpack_block(rows, P, n, D, codes.data());
@@ -417,7 +471,8 @@ void reconstruct(const bitplane_view<Plan, G, host_space>& v, kv_view<T, host_sp
         const std::uint32_t* LYNX_RESTRICT c = codes.data() + t * D;
         float* LYNX_RESTRICT r = row.data();
         for (std::int64_t ch = 0; ch < D; ++ch)
-          r[ch] = reconstruct_from_level(static_cast<float>(c[ch] << (B - P)) + half, {scale[ch], zero[ch]});
+          r[ch] = reconstruct_from_level(static_cast<float>(c[ch] << (B - P)) + half,
+                                         {scale[ch], zero[ch]});
         for (std::int64_t ch = 0; ch < D; ++ch) keys_out(t0 + t, h, ch) = from_float<T>(r[ch]);
       }
       // values: per token parameters of each channel group
@@ -439,8 +494,9 @@ void reconstruct(const bitplane_view<Plan, G, host_space>& v, kv_view<T, host_sp
 }
 
 template <stream_plan_type Plan, int G, kv_element T>
-void reconstruct(const bitplane_tensor<Plan, G, host_space>& tensor, kv_view<T, host_space> keys_out,
-                 kv_view<T, host_space> values_out, const reconstruct_options& options = {}) {
+void reconstruct(const bitplane_tensor<Plan, G, host_space>& tensor,
+                 kv_view<T, host_space> keys_out, kv_view<T, host_space> values_out,
+                 const reconstruct_options& options = {}) {
   reconstruct(tensor.view(), keys_out, values_out, options);
 }
 

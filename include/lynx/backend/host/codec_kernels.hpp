@@ -42,31 +42,37 @@ inline void zero_section_gaps(const layer_geometry& g, std::span<const std::span
 
 /// Reports the first non-finite element of a group with its coordinates.
 template <class T>
-[[noreturn]] void report_non_finite(const kv_view<const T, host_space>& x, const char* tensor, std::uint32_t layer,
-                                    std::int64_t t0, std::int64_t t1, std::int64_t h, std::int64_t c0, std::int64_t c1) {
+[[noreturn]] void report_non_finite(const kv_view<const T, host_space>& x, const char* tensor,
+                                    std::uint32_t layer, std::int64_t t0, std::int64_t t1,
+                                    std::int64_t h, std::int64_t c0, std::int64_t c1) {
   for (std::int64_t t = t0; t < t1; ++t)
     for (std::int64_t c = c0; c < c1; ++c) {
       const float v = to_float(x(t, h, c));
       if (!is_finite_value(v))
-        fail(errc::non_finite_input, std::string(tensor) + " of layer " + std::to_string(layer) + " holds " +
-                                         (v != v ? "NaN" : "infinity") + " at kv head " + std::to_string(h) + ", token " +
+        fail(errc::non_finite_input, std::string(tensor) + " of layer " + std::to_string(layer) +
+                                         " holds " + (v != v ? "NaN" : "infinity") +
+                                         " at kv head " + std::to_string(h) + ", token " +
                                          std::to_string(t) + ", channel " + std::to_string(c));
     }
-  fail(errc::invalid_argument, std::string(tensor) + " of layer " + std::to_string(layer) + ": range of a group at kv head " +
-                                   std::to_string(h) + ", tokens [" + std::to_string(t0) + ", " + std::to_string(t1) +
+  fail(errc::invalid_argument, std::string(tensor) + " of layer " + std::to_string(layer) +
+                                   ": range of a group at kv head " + std::to_string(h) +
+                                   ", tokens [" + std::to_string(t0) + ", " + std::to_string(t1) +
                                    ") exceeds the float range");
 }
 
 /// Key parameters of one head: per channel over each group of key_group tokens.
 /// scale/zero: [key_token_groups][head_dim] of this head.
 template <int Bits, class T>
-void key_params_for_head(const kv_view<const T, host_space>& keys, const layer_geometry& g, std::uint32_t layer, std::int64_t h,
-                         float* LYNX_RESTRICT scale, float* LYNX_RESTRICT zero, std::vector<float>& lo, std::vector<float>& hi) {
+void key_params_for_head(const kv_view<const T, host_space>& keys, const layer_geometry& g,
+                         std::uint32_t layer, std::int64_t h, float* LYNX_RESTRICT scale,
+                         float* LYNX_RESTRICT zero, std::vector<float>& lo,
+                         std::vector<float>& hi) {
   const std::int64_t D = g.head_dim;
   lo.resize(static_cast<std::size_t>(D));
   hi.resize(static_cast<std::size_t>(D));
   for (std::int64_t grp = 0; grp < g.key_token_groups(); ++grp) {
-    const std::int64_t t0 = grp * g.key_group, t1 = std::min<std::int64_t>(t0 + g.key_group, g.tokens);
+    const std::int64_t t0 = grp * g.key_group,
+                       t1 = std::min<std::int64_t>(t0 + g.key_group, g.tokens);
     float* LYNX_RESTRICT l = lo.data();
     float* LYNX_RESTRICT u = hi.data();
     bool finite = true;
@@ -107,9 +113,10 @@ void key_params_for_head(const kv_view<const T, host_space>& keys, const layer_g
 
 /// Codes of the keys of one 32-token block of head h: codes[t][c], t < n.
 template <int Bits, class T>
-void quantize_key_block(const kv_view<const T, host_space>& keys, const layer_geometry& g, std::int64_t h, std::int64_t t0,
-                        std::int64_t n, const float* key_scale_head, const float* key_zero_head, std::uint16_t* LYNX_RESTRICT codes,
-                        float* LYNX_RESTRICT inv) {
+void quantize_key_block(const kv_view<const T, host_space>& keys, const layer_geometry& g,
+                        std::int64_t h, std::int64_t t0, std::int64_t n,
+                        const float* key_scale_head, const float* key_zero_head,
+                        std::uint16_t* LYNX_RESTRICT codes, float* LYNX_RESTRICT inv) {
   const std::int64_t D = g.head_dim;
   std::int64_t current_group = -1;
   for (std::int64_t t = 0; t < n; ++t) {
@@ -124,10 +131,12 @@ void quantize_key_block(const kv_view<const T, host_space>& keys, const layer_ge
     if (keys.channel_stride == 1) {
       const T* LYNX_RESTRICT row = &keys(t0 + t, h, 0);
       for (std::int64_t c = 0; c < D; ++c)
-        out[c] = static_cast<std::uint16_t>(quantize_value<Bits>(to_float(row[c]), zero[c], inv[c]));
+        out[c] =
+            static_cast<std::uint16_t>(quantize_value<Bits>(to_float(row[c]), zero[c], inv[c]));
     } else {
       for (std::int64_t c = 0; c < D; ++c)
-        out[c] = static_cast<std::uint16_t>(quantize_value<Bits>(to_float(keys(t0 + t, h, c)), zero[c], inv[c]));
+        out[c] = static_cast<std::uint16_t>(
+            quantize_value<Bits>(to_float(keys(t0 + t, h, c)), zero[c], inv[c]));
     }
   }
 }
@@ -135,8 +144,9 @@ void quantize_key_block(const kv_view<const T, host_space>& keys, const layer_ge
 /// Value parameters and codes of one 32-token block of head h: per token over
 /// groups of value_group channels. scale/zero: [tokens][value_channel_groups] of this head.
 template <int Bits, class T>
-void quantize_value_block(const kv_view<const T, host_space>& values, const layer_geometry& g, std::uint32_t layer, std::int64_t h,
-                          std::int64_t t0, std::int64_t n, float* value_scale_head, float* value_zero_head,
+void quantize_value_block(const kv_view<const T, host_space>& values, const layer_geometry& g,
+                          std::uint32_t layer, std::int64_t h, std::int64_t t0, std::int64_t n,
+                          float* value_scale_head, float* value_zero_head,
                           std::uint16_t* LYNX_RESTRICT codes, float* LYNX_RESTRICT row_buffer) {
   const std::int64_t D = g.head_dim, VG = g.value_group, groups = g.value_channel_groups();
   for (std::int64_t t = 0; t < n; ++t) {
@@ -157,12 +167,14 @@ void quantize_value_block(const kv_view<const T, host_space>& values, const laye
         lo = xs[c] < lo ? xs[c] : lo;
         hi = xs[c] > hi ? xs[c] : hi;
       }
-      if (!finite || range_overflow(lo, hi)) report_non_finite(values, "values", layer, t0 + t, t0 + t + 1, h, grp * VG, grp * VG + VG);
+      if (!finite || range_overflow(lo, hi))
+        report_non_finite(values, "values", layer, t0 + t, t0 + t + 1, h, grp * VG, grp * VG + VG);
       const group_params p = make_group_params<Bits>(lo, hi);
       value_scale_head[(t0 + t) * groups + grp] = p.scale;
       value_zero_head[(t0 + t) * groups + grp] = p.zero;
       const float inv = inverse_scale<Bits>(p);
-      for (std::int64_t c = 0; c < VG; ++c) out[grp * VG + c] = static_cast<std::uint16_t>(quantize_value<Bits>(xs[c], p.zero, inv));
+      for (std::int64_t c = 0; c < VG; ++c)
+        out[grp * VG + c] = static_cast<std::uint16_t>(quantize_value<Bits>(xs[c], p.zero, inv));
     }
   }
 }
@@ -170,22 +182,24 @@ void quantize_value_block(const kv_view<const T, host_space>& values, const laye
 /// Packs a code tile codes[t][c] (t < n <= 32, Bits-bit codes) into plane words:
 /// planes[j][c] for j < Bits, bit t of planes[j][c] = bit (Bits-1-j) of codes[t][c].
 template <int Bits>
-void pack_block(const std::uint16_t* LYNX_RESTRICT codes, std::int64_t n, std::int64_t D, std::uint32_t* LYNX_RESTRICT planes) {
+void pack_block(const std::uint16_t* LYNX_RESTRICT codes, std::int64_t n, std::int64_t D,
+                std::uint32_t* LYNX_RESTRICT planes) {
   std::fill(planes, planes + Bits * D, 0u);
   for (std::int64_t t = 0; t < n; ++t) {
     const std::uint16_t* LYNX_RESTRICT row = codes + t * D;
     for (int j = 0; j < Bits; ++j) {
       std::uint32_t* LYNX_RESTRICT w = planes + j * D;
       const int shift = Bits - 1 - j;
-      for (std::int64_t c = 0; c < D; ++c) w[c] |= ((static_cast<std::uint32_t>(row[c]) >> shift) & 1u) << t;
+      for (std::int64_t c = 0; c < D; ++c)
+        w[c] |= ((static_cast<std::uint32_t>(row[c]) >> shift) & 1u) << t;
     }
   }
 }
 
 /// Inverse of pack_block over the first `planes` planes: prefix codes[t][c] (t < n),
 /// where plane j's words for this block are at plane_rows[j][0..D).
-inline void unpack_block(const std::uint32_t* const* plane_rows, int planes, std::int64_t n, std::int64_t D,
-                         std::uint32_t* LYNX_RESTRICT codes) {
+inline void unpack_block(const std::uint32_t* const* plane_rows, int planes, std::int64_t n,
+                         std::int64_t D, std::uint32_t* LYNX_RESTRICT codes) {
   for (std::int64_t t = 0; t < n; ++t) {
     std::uint32_t* LYNX_RESTRICT out = codes + t * D;
     for (std::int64_t c = 0; c < D; ++c) out[c] = 0;

@@ -80,7 +80,8 @@ constexpr byte_network make_network(Dest dest) {
       const int n = (vec[id] & ~bit) | (out_vec[id] & bit);
       const int q = level == 2 ? out_pos[id] : fill[n]++;
       if (q >= 64) throw "byte network: a vector overflows (the permutation is not uniform)";
-      net.index[level][n][q] = static_cast<std::uint8_t>((vec[id] == (n & ~bit) ? 0 : 64) + pos[id]);
+      net.index[level][n][q] =
+          static_cast<std::uint8_t>((vec[id] == (n & ~bit) ? 0 : 64) + pos[id]);
       new_vec[id] = n;
       new_pos[id] = q;
     }
@@ -95,7 +96,8 @@ LYNX_ALWAYS_INLINE void run_network(const byte_network& net, __m512i (&v)[8]) {
     const int bit = 1 << level;
     __m512i next[8];
     for (int n = 0; n < 8; ++n)
-      next[n] = _mm512_permutex2var_epi8(v[n & ~bit], _mm512_load_si512(net.index[level][n].data()), v[n | bit]);
+      next[n] = _mm512_permutex2var_epi8(v[n & ~bit], _mm512_load_si512(net.index[level][n].data()),
+                                         v[n | bit]);
     for (int n = 0; n < 8; ++n) v[n] = next[n];
   }
 }
@@ -108,7 +110,9 @@ constexpr std::pair<int, int> packed_token_channel(int i, int p) {
 }
 // Qword layout before the bit transpose: vector c/2, qword (c%2)*4 + t/8,
 // byte 7 - t%8 (reversed, so that bit b of a plane byte is token 8g + b).
-constexpr std::pair<int, int> qword_slot(int t, int c) { return {c / 2, ((c % 2) * 4 + t / 8) * 8 + 7 - t % 8}; }
+constexpr std::pair<int, int> qword_slot(int t, int c) {
+  return {c / 2, ((c % 2) * 4 + t / 8) * 8 + 7 - t % 8};
+}
 // After the bit transpose, byte j of qword (c, g) is plane j of tokens 8g..8g+7;
 // plane vector j holds the 16 plane words of the chunk: byte 4c + g.
 constexpr std::pair<int, int> plane_slot(int o, int p) {
@@ -121,7 +125,8 @@ inline constexpr byte_network pack_gather = make_network([](int i, int p) {
   const auto tc = packed_token_channel(i, p);
   return qword_slot(tc.first, tc.second);
 });
-inline constexpr byte_network pack_scatter = make_network([](int o, int p) { return plane_slot(o, p); });
+inline constexpr byte_network pack_scatter =
+    make_network([](int o, int p) { return plane_slot(o, p); });
 
 // Reconstruct runs the inverses: plane vectors -> qwords (c, g) with byte j = plane j,
 // then (after the transpose, byte b of qword (c, g) = code of token 8g + b) ->
@@ -139,7 +144,8 @@ inline constexpr byte_network unpack_scatter = make_network([](int o, int p) {
 // gf2p8affineqb(x, A): bit b of result byte i = parity(A.byte[7-b] & x.byte[i]);
 // with x.byte[i] a single bit it is an 8x8 bit-matrix transpose of A.
 inline constexpr long long planes_of_tokens = 0x0102040810204080LL;  // x.byte[i] = 1 << (7-i)
-inline constexpr long long tokens_of_planes = static_cast<long long>(0x8040201008040201ULL);  // x.byte[i] = 1 << i
+inline constexpr long long tokens_of_planes =
+    static_cast<long long>(0x8040201008040201ULL);  // x.byte[i] = 1 << i
 
 // ---------------------------------------------------------------------------
 // Element loads and stores (16 elements).
@@ -149,7 +155,8 @@ LYNX_ALWAYS_INLINE __m512 load16(const T* p) {
   if constexpr (std::is_same_v<T, float>) {
     return _mm512_loadu_ps(p);
   } else if constexpr (std::is_same_v<T, bf16>) {
-    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    const __m512i w =
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
   } else {
     // vcvtph2ps is exact for every finite half, as fp16_bits_to_float; non-finite
@@ -167,12 +174,14 @@ LYNX_ALWAYS_INLINE void store16(T* p, __m512 x) {
     // bits with the quiet bit set. (vcvtneps2bf16 flushes denormals, so not used.)
     const __m512i u = _mm512_castps_si512(x);
     const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
+    __m512i r = _mm512_srli_epi32(
+        _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
     const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
     r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
   } else {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                        _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
 }
 
@@ -182,24 +191,29 @@ LYNX_ALWAYS_INLINE void store16(T* p, __m512 x) {
 template <int Bits>
 LYNX_ALWAYS_INLINE __m512i quantize16(__m512 x, __m512 zero, __m512 inv) {
   __m512 t = _mm512_mul_ps(_mm512_sub_ps(x, zero), inv);
-  t = _mm512_max_ps(t, _mm512_setzero_ps());                              // t > 0 ? t : 0
+  t = _mm512_max_ps(t, _mm512_setzero_ps());                                 // t > 0 ? t : 0
   t = _mm512_min_ps(t, _mm512_set1_ps(static_cast<float>(max_code<Bits>)));  // t < max ? t : max
   return _mm512_cvtps_epi32(t);
 }
 
 // make_group_params + inverse_scale for 16 groups; sets `bad` on an overflowing range.
 template <int Bits>
-LYNX_ALWAYS_INLINE void group_params16(__m512 lo, __m512 hi, __m512& scale, __m512& inv, __mmask16& bad) {
+LYNX_ALWAYS_INLINE void group_params16(__m512 lo, __m512 hi, __m512& scale, __m512& inv,
+                                       __mmask16& bad) {
   const __m512 range = _mm512_sub_ps(hi, lo);
   bad |= _mm512_cmp_ps_mask(range, _mm512_set1_ps(3.4028234663852886e38f), _CMP_NLE_UQ);
-  const __mmask16 nonconstant = _mm512_cmp_ps_mask(range, _mm512_set1_ps(min_group_range), _CMP_GE_OQ);
-  scale = _mm512_maskz_div_ps(nonconstant, range, _mm512_set1_ps(static_cast<float>(max_code<Bits>)));
+  const __mmask16 nonconstant =
+      _mm512_cmp_ps_mask(range, _mm512_set1_ps(min_group_range), _CMP_GE_OQ);
+  scale =
+      _mm512_maskz_div_ps(nonconstant, range, _mm512_set1_ps(static_cast<float>(max_code<Bits>)));
   const __mmask16 positive = _mm512_cmp_ps_mask(scale, _mm512_setzero_ps(), _CMP_GT_OQ);
   inv = _mm512_maskz_div_ps(positive, _mm512_set1_ps(1.0f), scale);
 }
 
 // Accumulates NaN when x holds a NaN or an infinity (x * 0 is then NaN).
-LYNX_ALWAYS_INLINE __m512 track_non_finite(__m512 acc, __m512 x) { return _mm512_fmadd_ps(x, _mm512_setzero_ps(), acc); }
+LYNX_ALWAYS_INLINE __m512 track_non_finite(__m512 acc, __m512 x) {
+  return _mm512_fmadd_ps(x, _mm512_setzero_ps(), acc);
+}
 
 // Reduces 16 vectors to one: lane k = min (max) over the lanes of m[k]. Pairwise
 // merges halve the lanes per group; values are exact, the sign of a zero result
@@ -214,7 +228,8 @@ constexpr reduce_tables make_reduce_tables() {
     const int half = width / 2;
     for (int lane = 0; lane < 16; ++lane) {
       // lanes 0-7 from the first vector, 8-15 from the second (index + 16)
-      const int side = lane < 8 ? 0 : 16, within = lane % 8, group = within / half, sub = within % half;
+      const int side = lane < 8 ? 0 : 16, within = lane % 8, group = within / half,
+                sub = within % half;
       r.x[step][lane] = side + group * width + sub;
       r.y[step][lane] = side + group * width + sub + half;
     }
@@ -227,7 +242,8 @@ template <bool Max>
 LYNX_ALWAYS_INLINE __m512 reduce16(__m512 (&m)[16]) {
   int count = 16;
   for (int step = 0; step < 4; ++step) {
-    const __m512i x_index = _mm512_load_si512(reduce_index.x[step]), y_index = _mm512_load_si512(reduce_index.y[step]);
+    const __m512i x_index = _mm512_load_si512(reduce_index.x[step]),
+                  y_index = _mm512_load_si512(reduce_index.y[step]);
     for (int k = 0; k < count / 2; ++k) {
       const __m512 x = _mm512_permutex2var_ps(m[2 * k], x_index, m[2 * k + 1]);
       const __m512 y = _mm512_permutex2var_ps(m[2 * k], y_index, m[2 * k + 1]);
@@ -238,8 +254,8 @@ LYNX_ALWAYS_INLINE __m512 reduce16(__m512 (&m)[16]) {
   return m[0];
 }
 
-/// Outputs (reconstructed K+V, or encoded segments) at least this large are written with non-temporal stores (where a
-/// 64-byte store is aligned): they would not stay in cache anyway, and
+/// Outputs (reconstructed K+V, or encoded segments) at least this large are written with
+/// non-temporal stores (where a 64-byte store is aligned): they would not stay in cache anyway, and
 /// streaming saves reading every output line before it is overwritten.
 #ifndef LYNX_STREAM_MIN_BYTES
 #define LYNX_STREAM_MIN_BYTES (std::int64_t{16} << 20)
@@ -250,13 +266,17 @@ inline constexpr std::int64_t stream_store_min_bytes = LYNX_STREAM_MIN_BYTES;
 // Encode.
 
 template <class T>
-bool encode_supported(const kv_view<const T, host_space>& keys, const kv_view<const T, host_space>& values, const layer_geometry& g) {
-  return keys.channel_stride == 1 && values.channel_stride == 1 && g.head_dim % 16 == 0 && g.value_group % 16 == 0 &&
+bool encode_supported(const kv_view<const T, host_space>& keys,
+                      const kv_view<const T, host_space>& values, const layer_geometry& g) {
+  return keys.channel_stride == 1 && values.channel_stride == 1 && g.head_dim % 16 == 0 &&
+         g.value_group % 16 == 0 &&
          (g.key_group % tokens_per_word == 0 || tokens_per_word % g.key_group == 0);
 }
 
 /// Tokens of one work unit: whole blocks and whole key groups.
-inline std::int64_t unit_tokens(const layer_geometry& g) { return std::max<std::int64_t>(g.key_group, tokens_per_word); }
+inline std::int64_t unit_tokens(const layer_geometry& g) {
+  return std::max<std::int64_t>(g.key_group, tokens_per_word);
+}
 
 /// The K and V rows of the next work item (head h, tokens [t0, t1)), asked into L1
 /// a row at a time while the current item is encoded: rows of one head are 2 KB
@@ -267,21 +287,27 @@ struct next_rows {
   const kv_view<const T, host_space>* values = nullptr;
   std::int64_t h = 0, t0 = 0, t1 = 0;  // t1 == t0: no next item
   static void prefetch_row(const T* row, std::int64_t bytes) {
-    for (std::int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(row) + o, _MM_HINT_T0);
+    for (std::int64_t o = 0; o < bytes; o += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(row) + o, _MM_HINT_T0);
   }
   LYNX_ALWAYS_INLINE void prefetch_key_row(std::int64_t i) const {
-    if (t0 + i < t1) prefetch_row(&(*keys)(t0 + i, h, 0), keys->shape.head_dim * static_cast<std::int64_t>(sizeof(T)));
+    if (t0 + i < t1)
+      prefetch_row(&(*keys)(t0 + i, h, 0),
+                   keys->shape.head_dim * static_cast<std::int64_t>(sizeof(T)));
   }
   LYNX_ALWAYS_INLINE void prefetch_value_row(std::int64_t i) const {
-    if (t0 + i < t1) prefetch_row(&(*values)(t0 + i, h, 0), values->shape.head_dim * static_cast<std::int64_t>(sizeof(T)));
+    if (t0 + i < t1)
+      prefetch_row(&(*values)(t0 + i, h, 0),
+                   values->shape.head_dim * static_cast<std::int64_t>(sizeof(T)));
   }
 };
 
 /// Per-thread scratch of the encoder.
 struct encode_scratch {
-  std::vector<float> key_inv;            // [key groups in a unit][head_dim]
+  std::vector<float> key_inv;                // [key groups in a unit][head_dim]
   std::vector<float> value_zero, value_inv;  // [32 tokens][value groups]
-  aligned_buffer stage_hi_bytes, stage_lo_bytes;  // [head_dim / 16][8] vectors of code bytes of one block
+  aligned_buffer stage_hi_bytes,
+      stage_lo_bytes;  // [head_dim / 16][8] vectors of code bytes of one block
   __m512i* stage_hi = nullptr;
   __m512i* stage_lo = nullptr;
   bool stream = false;  // plane words with non-temporal stores (large segments)
@@ -299,25 +325,31 @@ struct encode_scratch {
 
 // Splits 4 code vectors (4 tokens, 16 channels each) into hi/lo code bytes.
 template <int Bits>
-LYNX_ALWAYS_INLINE void stage_codes(__m512i c0, __m512i c1, __m512i c2, __m512i c3, __m512i* hi, __m512i* lo) {
+LYNX_ALWAYS_INLINE void stage_codes(__m512i c0, __m512i c1, __m512i c2, __m512i c3, __m512i* hi,
+                                    __m512i* lo) {
   if constexpr (Bits == 8) {
     *hi = _mm512_packus_epi16(_mm512_packs_epi32(c0, c1), _mm512_packs_epi32(c2, c3));
   } else {
     constexpr int down = Bits - 8, up = 16 - Bits;
     const __m512i byte = _mm512_set1_epi32(0xff);
-    *hi = _mm512_packus_epi16(_mm512_packs_epi32(_mm512_srli_epi32(c0, down), _mm512_srli_epi32(c1, down)),
-                              _mm512_packs_epi32(_mm512_srli_epi32(c2, down), _mm512_srli_epi32(c3, down)));
-    *lo = _mm512_packus_epi16(
-        _mm512_packs_epi32(_mm512_and_si512(_mm512_slli_epi32(c0, up), byte), _mm512_and_si512(_mm512_slli_epi32(c1, up), byte)),
-        _mm512_packs_epi32(_mm512_and_si512(_mm512_slli_epi32(c2, up), byte), _mm512_and_si512(_mm512_slli_epi32(c3, up), byte)));
+    *hi = _mm512_packus_epi16(
+        _mm512_packs_epi32(_mm512_srli_epi32(c0, down), _mm512_srli_epi32(c1, down)),
+        _mm512_packs_epi32(_mm512_srli_epi32(c2, down), _mm512_srli_epi32(c3, down)));
+    *lo =
+        _mm512_packus_epi16(_mm512_packs_epi32(_mm512_and_si512(_mm512_slli_epi32(c0, up), byte),
+                                               _mm512_and_si512(_mm512_slli_epi32(c1, up), byte)),
+                            _mm512_packs_epi32(_mm512_and_si512(_mm512_slli_epi32(c2, up), byte),
+                                               _mm512_and_si512(_mm512_slli_epi32(c3, up), byte)));
   }
 }
 
 // Packs the staged code bytes of one block into plane words: planes [first, first + count)
 // of every chunk, written to plane_rows[first + j] + 16 q.
-inline void pack_stage(const __m512i* stage, std::int64_t D, int first, int count, std::uint32_t* const* plane_rows, bool stream) {
+inline void pack_stage(const __m512i* stage, std::int64_t D, int first, int count,
+                       std::uint32_t* const* plane_rows, bool stream) {
   const __m512i transpose = _mm512_set1_epi64(planes_of_tokens);
-  for (int j = 0; j < count; ++j) stream = stream && (reinterpret_cast<std::uintptr_t>(plane_rows[first + j]) & 63) == 0;
+  for (int j = 0; j < count; ++j)
+    stream = stream && (reinterpret_cast<std::uintptr_t>(plane_rows[first + j]) & 63) == 0;
   for (std::int64_t q = 0; q < D / 16; ++q) {
     __m512i v[8];
     for (int i = 0; i < 8; ++i) v[i] = stage[q * 8 + i];
@@ -325,7 +357,8 @@ inline void pack_stage(const __m512i* stage, std::int64_t D, int first, int coun
     for (int i = 0; i < 8; ++i) v[i] = _mm512_gf2p8affine_epi64_epi8(transpose, v[i], 0);
     run_network(pack_scatter, v);
     if (stream)
-      for (int j = 0; j < count; ++j) _mm512_stream_si512(reinterpret_cast<__m512i*>(plane_rows[first + j] + 16 * q), v[j]);
+      for (int j = 0; j < count; ++j)
+        _mm512_stream_si512(reinterpret_cast<__m512i*>(plane_rows[first + j] + 16 * q), v[j]);
     else
       for (int j = 0; j < count; ++j) _mm512_storeu_si512(plane_rows[first + j] + 16 * q, v[j]);
   }
@@ -336,9 +369,11 @@ inline void pack_stage(const __m512i* stage, std::int64_t D, int first, int coun
 /// parameters and value codes, packed straight into the segments' plane words.
 /// key_planes/value_planes(b, j): pointer to plane j's D words of block b.
 template <int Bits, class T, class KeyPlanes, class ValuePlanes>
-void encode_unit(const kv_view<const T, host_space>& keys, const kv_view<const T, host_space>& values, const layer_geometry& g,
-                 std::int64_t h, std::int64_t u0, std::int64_t u1, float* key_scale_head, float* key_zero_head, float* value_scale_head,
-                 float* value_zero_head, KeyPlanes&& key_planes, ValuePlanes&& value_planes, const next_rows<T>& next,
+void encode_unit(const kv_view<const T, host_space>& keys,
+                 const kv_view<const T, host_space>& values, const layer_geometry& g,
+                 std::int64_t h, std::int64_t u0, std::int64_t u1, float* key_scale_head,
+                 float* key_zero_head, float* value_scale_head, float* value_zero_head,
+                 KeyPlanes&& key_planes, ValuePlanes&& value_planes, const next_rows<T>& next,
                  encode_scratch& s) {
   const std::int64_t D = g.head_dim, chunks = D / 16, KG = g.key_group;
   __m512 non_finite = _mm512_setzero_ps();
@@ -382,7 +417,8 @@ void encode_unit(const kv_view<const T, host_space>& keys, const kv_view<const T
   const std::int64_t VG = g.value_group, VGs = g.value_channel_groups(), per_group = VG / 16;
   std::uint32_t* rows[16];
   for (std::int64_t t0 = u0; t0 < u1; t0 += tokens_per_word) {
-    const std::int64_t b = t0 / tokens_per_word, n = std::min<std::int64_t>(tokens_per_word, g.tokens - t0);
+    const std::int64_t b = t0 / tokens_per_word,
+                       n = std::min<std::int64_t>(tokens_per_word, g.tokens - t0);
     // Keys: codes of 4 tokens at a time per chunk; tokens past n are code 0.
     for (std::int64_t t = 0; t < tokens_per_word; t += 4) {
       // Parameter rows of the 4 tokens' key groups (divisions out of the chunk loop).
@@ -399,13 +435,15 @@ void encode_unit(const kv_view<const T, host_space>& keys, const kv_view<const T
         __m512i c[4];
         for (int k = 0; k < 4; ++k) {
           if (t + k < n) {
-            c[k] = quantize16<Bits>(load16(key_row[k] + 16 * q), _mm512_loadu_ps(zero_row[k] + 16 * q),
-                                    _mm512_loadu_ps(inv_row[k] + 16 * q));
+            c[k] =
+                quantize16<Bits>(load16(key_row[k] + 16 * q), _mm512_loadu_ps(zero_row[k] + 16 * q),
+                                 _mm512_loadu_ps(inv_row[k] + 16 * q));
           } else {
             c[k] = _mm512_setzero_si512();
           }
         }
-        stage_codes<Bits>(c[0], c[1], c[2], c[3], &s.stage_hi[q * 8 + t / 4], &s.stage_lo[q * 8 + t / 4]);
+        stage_codes<Bits>(c[0], c[1], c[2], c[3], &s.stage_hi[q * 8 + t / 4],
+                          &s.stage_lo[q * 8 + t / 4]);
       }
     }
     for (int j = 0; j < Bits; ++j) rows[j] = key_planes(b, j);
@@ -439,7 +477,8 @@ void encode_unit(const kv_view<const T, host_space>& keys, const kv_view<const T
       }
       __m512 l = reduce16<false>(lo), u = reduce16<true>(hi);
       // A zero minimum or maximum: which zero the portable loop keeps depends on order.
-      __mmask16 zeros = _mm512_cmp_ps_mask(l, _mm512_setzero_ps(), _CMP_EQ_OQ) | _mm512_cmp_ps_mask(u, _mm512_setzero_ps(), _CMP_EQ_OQ);
+      __mmask16 zeros = _mm512_cmp_ps_mask(l, _mm512_setzero_ps(), _CMP_EQ_OQ) |
+                        _mm512_cmp_ps_mask(u, _mm512_setzero_ps(), _CMP_EQ_OQ);
       zeros &= static_cast<__mmask16>((1u << batch) - 1u);
       if (zeros) {
         alignas(64) float ls[16], us[16];
@@ -469,7 +508,8 @@ void encode_unit(const kv_view<const T, host_space>& keys, const kv_view<const T
       _mm512_storeu_ps(s.value_zero.data() + f0, l);
       _mm512_storeu_ps(s.value_inv.data() + f0, inv);
     }
-    if (bad || _mm512_cmp_ps_mask(non_finite, non_finite, _CMP_UNORD_Q)) throw needs_portable_path{};
+    if (bad || _mm512_cmp_ps_mask(non_finite, non_finite, _CMP_UNORD_Q))
+      throw needs_portable_path{};
 
     // Value codes.
     for (std::int64_t t = 0; t < tokens_per_word; t += 4) {
@@ -480,13 +520,15 @@ void encode_unit(const kv_view<const T, host_space>& keys, const kv_view<const T
         for (int k = 0; k < 4; ++k) {
           if (t + k < n) {
             const std::int64_t f = (t + k) * VGs + group_of_q;
-            c[k] = quantize16<Bits>(load16(&values(t0 + t + k, h, 16 * q)), _mm512_set1_ps(s.value_zero[static_cast<std::size_t>(f)]),
+            c[k] = quantize16<Bits>(load16(&values(t0 + t + k, h, 16 * q)),
+                                    _mm512_set1_ps(s.value_zero[static_cast<std::size_t>(f)]),
                                     _mm512_set1_ps(s.value_inv[static_cast<std::size_t>(f)]));
           } else {
             c[k] = _mm512_setzero_si512();
           }
         }
-        stage_codes<Bits>(c[0], c[1], c[2], c[3], &s.stage_hi[q * 8 + t / 4], &s.stage_lo[q * 8 + t / 4]);
+        stage_codes<Bits>(c[0], c[1], c[2], c[3], &s.stage_hi[q * 8 + t / 4],
+                          &s.stage_lo[q * 8 + t / 4]);
       }
     }
     for (int j = 0; j < Bits; ++j) rows[j] = value_planes(b, j);
@@ -500,24 +542,29 @@ void encode_unit(const kv_view<const T, host_space>& keys, const kv_view<const T
 
 /// Asks for [p, p + bytes) to be brought into L1.
 inline void prefetch_bytes(const void* p, std::int64_t bytes) {
-  for (std::int64_t o = 0; o < bytes; o += 64) _mm_prefetch(static_cast<const char*>(p) + o, _MM_HINT_T0);
+  for (std::int64_t o = 0; o < bytes; o += 64)
+    _mm_prefetch(static_cast<const char*>(p) + o, _MM_HINT_T0);
 }
 
 template <class T>
-bool reconstruct_supported(const kv_view<T, host_space>& keys_out, const kv_view<T, host_space>& values_out, const layer_geometry& g) {
-  return keys_out.channel_stride == 1 && values_out.channel_stride == 1 && g.head_dim % 16 == 0 && g.value_group % 16 == 0;
+bool reconstruct_supported(const kv_view<T, host_space>& keys_out,
+                           const kv_view<T, host_space>& values_out, const layer_geometry& g) {
+  return keys_out.channel_stride == 1 && values_out.channel_stride == 1 && g.head_dim % 16 == 0 &&
+         g.value_group % 16 == 0;
 }
 
 // Code bytes of one block from plane words: planes [first, first + count) of
 // plane_rows, as rows stage[q * 8 + t/4] byte 16*(t%4) + c.
 // With at > 0 the planes go to bits [at, at + count) from the top of each byte
 // instead (at = 8 - count: the byte is the prefix itself).
-inline void unpack_stage(const std::uint32_t* const* plane_rows, int first, int count, std::int64_t D, __m512i* stage, int at = 0) {
+inline void unpack_stage(const std::uint32_t* const* plane_rows, int first, int count,
+                         std::int64_t D, __m512i* stage, int at = 0) {
   const __m512i transpose = _mm512_set1_epi64(tokens_of_planes);
   for (std::int64_t q = 0; q < D / 16; ++q) {
     __m512i v[8];
     for (int j = 0; j < 8; ++j)
-      v[j] = j >= at && j < at + count ? _mm512_loadu_si512(plane_rows[first + j - at] + 16 * q) : _mm512_setzero_si512();
+      v[j] = j >= at && j < at + count ? _mm512_loadu_si512(plane_rows[first + j - at] + 16 * q)
+                                       : _mm512_setzero_si512();
     run_network(unpack_gather, v);
     for (int i = 0; i < 8; ++i) v[i] = _mm512_gf2p8affine_epi64_epi8(transpose, v[i], 0);
     run_network(unpack_scatter, v);
@@ -527,7 +574,8 @@ inline void unpack_stage(const std::uint32_t* const* plane_rows, int first, int 
 
 // Codes (missing planes zero) of token t, channels 16q..16q+15, as dwords.
 template <int Bits>
-LYNX_ALWAYS_INLINE __m512i staged_codes(const __m512i* hi, const __m512i* lo, std::int64_t q, std::int64_t t) {
+LYNX_ALWAYS_INLINE __m512i staged_codes(const __m512i* hi, const __m512i* lo, std::int64_t q,
+                                        std::int64_t t) {
   const auto* hb = reinterpret_cast<const __m128i*>(hi + q * 8 + t / 4) + t % 4;
   const __m512i h = _mm512_cvtepu8_epi32(_mm_load_si128(hb));
   if constexpr (Bits == 8) {
@@ -551,11 +599,12 @@ LYNX_ALWAYS_INLINE void store32_bf16(bf16* p, __m512 lo, __m512 hi, bool stream)
     return;
   }
   const __m512i r = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));
-  if (stream) _mm512_stream_si512(reinterpret_cast<__m512i*>(p), r);
-  else _mm512_storeu_si512(p, r);
+  if (stream)
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(p), r);
+  else
+    _mm512_storeu_si512(p, r);
 }
 #endif
-
 
 /// Writes one output row (D elements) from x(q), the 16 floats of chunk q.
 template <class T, class Row>
@@ -580,10 +629,11 @@ LYNX_ALWAYS_INLINE void store_row(T* out, std::int64_t chunks, bool stream, Row&
 // prefixes themselves (P <= 4) and the level float(prefix << (B-P)) + half comes
 // from a 16-entry table, the same float the portable expression gives.
 template <int Bits, bool Lut, class T>
-void reconstruct_rows(const layer_geometry& g, std::int64_t h, std::int64_t t0, std::int64_t n, bool keys, bool stream, __m512 half_v,
-                      __m512 lut,
-                      const float* key_scale, const float* key_zero, const float* value_scale, const float* value_zero,
-                      const kv_view<T, host_space>& keys_out, const kv_view<T, host_space>& values_out, const __m512i* stage_hi,
+void reconstruct_rows(const layer_geometry& g, std::int64_t h, std::int64_t t0, std::int64_t n,
+                      bool keys, bool stream, __m512 half_v, __m512 lut, const float* key_scale,
+                      const float* key_zero, const float* value_scale, const float* value_zero,
+                      const kv_view<T, host_space>& keys_out,
+                      const kv_view<T, host_space>& values_out, const __m512i* stage_hi,
                       const __m512i* stage_lo) {
   const std::int64_t D = g.head_dim, chunks = D / 16;
   auto level = [&](std::int64_t q, std::int64_t t) {
@@ -591,25 +641,29 @@ void reconstruct_rows(const layer_geometry& g, std::int64_t h, std::int64_t t0, 
       const auto* hb = reinterpret_cast<const __m128i*>(stage_hi + q * 8 + t / 4) + t % 4;
       return _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_load_si128(hb)), lut);
     } else {
-      return _mm512_add_ps(_mm512_cvtepi32_ps(staged_codes<Bits>(stage_hi, stage_lo, q, t)), half_v);
+      return _mm512_add_ps(_mm512_cvtepi32_ps(staged_codes<Bits>(stage_hi, stage_lo, q, t)),
+                           half_v);
     }
   };
   // Value group of each chunk (no division in the row loop).
   std::int32_t group_of_chunk[64];
   const bool small = chunks <= 64;
   if (!keys && small)
-    for (std::int64_t q = 0; q < chunks; ++q) group_of_chunk[q] = static_cast<std::int32_t>((16 * q) / g.value_group);
+    for (std::int64_t q = 0; q < chunks; ++q)
+      group_of_chunk[q] = static_cast<std::int32_t>((16 * q) / g.value_group);
   for (std::int64_t t = 0; t < n; ++t) {
     if (keys) {
       const std::int64_t base = (h * g.key_token_groups() + (t0 + t) / g.key_group) * D;
       store_row(&keys_out(t0 + t, h, 0), chunks, stream, [&](std::int64_t q) {
-        return _mm512_fmadd_ps(_mm512_loadu_ps(key_scale + base + 16 * q), level(q, t), _mm512_loadu_ps(key_zero + base + 16 * q));
+        return _mm512_fmadd_ps(_mm512_loadu_ps(key_scale + base + 16 * q), level(q, t),
+                               _mm512_loadu_ps(key_zero + base + 16 * q));
       });
     } else {
       const std::int64_t base = (h * g.tokens + t0 + t) * g.value_channel_groups();
       store_row(&values_out(t0 + t, h, 0), chunks, stream, [&](std::int64_t q) {
         const std::int64_t grp = small ? group_of_chunk[q] : (16 * q) / g.value_group;
-        return _mm512_fmadd_ps(_mm512_set1_ps(value_scale[base + grp]), level(q, t), _mm512_set1_ps(value_zero[base + grp]));
+        return _mm512_fmadd_ps(_mm512_set1_ps(value_scale[base + grp]), level(q, t),
+                               _mm512_set1_ps(value_zero[base + grp]));
       });
     }
   }
@@ -617,31 +671,41 @@ void reconstruct_rows(const layer_geometry& g, std::int64_t h, std::int64_t t0, 
 
 /// Reconstructs block b of head h (K and V) at P planes.
 template <int Bits, class T, class Rows>
-void reconstruct_block(const layer_geometry& g, std::int64_t h, std::int64_t b, int P, float half, const float* key_scale,
-                       const float* key_zero, const float* value_scale, const float* value_zero, Rows&& plane_rows,
-                       const kv_view<T, host_space>& keys_out, const kv_view<T, host_space>& values_out, __m512i* stage_hi, __m512i* stage_lo) {
+void reconstruct_block(const layer_geometry& g, std::int64_t h, std::int64_t b, int P, float half,
+                       const float* key_scale, const float* key_zero, const float* value_scale,
+                       const float* value_zero, Rows&& plane_rows,
+                       const kv_view<T, host_space>& keys_out,
+                       const kv_view<T, host_space>& values_out, __m512i* stage_hi,
+                       __m512i* stage_lo) {
   const std::int64_t D = g.head_dim, chunks = D / 16, T_ = g.tokens;
   const std::int64_t t0 = b * tokens_per_word, n = std::min<std::int64_t>(tokens_per_word, T_ - t0);
   const __m512 half_v = _mm512_set1_ps(half);
   const bool lut_path = P <= 4;
-  const bool stream = 2 * g.tokens * g.kv_heads * D * static_cast<std::int64_t>(sizeof(T)) >= stream_store_min_bytes;
+  const bool stream = 2 * g.tokens * g.kv_heads * D * static_cast<std::int64_t>(sizeof(T)) >=
+                      stream_store_min_bytes;
   alignas(64) float lut_levels[16];
-  for (int i = 0; i < 16; ++i) lut_levels[i] = lut_path ? static_cast<float>(static_cast<std::uint32_t>(i) << (Bits - P)) + half : 0.0f;
+  for (int i = 0; i < 16; ++i)
+    lut_levels[i] =
+        lut_path ? static_cast<float>(static_cast<std::uint32_t>(i) << (Bits - P)) + half : 0.0f;
   const __m512 lut = _mm512_load_ps(lut_levels);
   const std::uint32_t* rows[16];
   for (int which = 0; which < 2; ++which) {
     plane_rows(which == 0, rows);
     if (lut_path) {
       unpack_stage(rows, 0, P, D, stage_hi, 8 - P);
-      reconstruct_rows<Bits, true, T>(g, h, t0, n, which == 0, stream, half_v, lut, key_scale, key_zero, value_scale, value_zero, keys_out,
-                                      values_out, stage_hi, stage_lo);
+      reconstruct_rows<Bits, true, T>(g, h, t0, n, which == 0, stream, half_v, lut, key_scale,
+                                      key_zero, value_scale, value_zero, keys_out, values_out,
+                                      stage_hi, stage_lo);
       continue;
     }
     unpack_stage(rows, 0, std::min(P, 8), D, stage_hi);
-    if (Bits > 8 && P > 8) unpack_stage(rows, 8, P - 8, D, stage_lo);
-    else if (Bits > 8) std::fill(stage_lo, stage_lo + chunks * 8, _mm512_setzero_si512());
-    reconstruct_rows<Bits, false, T>(g, h, t0, n, which == 0, stream, half_v, lut, key_scale, key_zero, value_scale, value_zero, keys_out,
-                                     values_out, stage_hi, stage_lo);
+    if (Bits > 8 && P > 8)
+      unpack_stage(rows, 8, P - 8, D, stage_lo);
+    else if (Bits > 8)
+      std::fill(stage_lo, stage_lo + chunks * 8, _mm512_setzero_si512());
+    reconstruct_rows<Bits, false, T>(g, h, t0, n, which == 0, stream, half_v, lut, key_scale,
+                                     key_zero, value_scale, value_zero, keys_out, values_out,
+                                     stage_hi, stage_lo);
   }
 }
 

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "../support/real_model.hpp"
 #include "llama2c/llama2c.hpp"
 #include "llama2c/lynx_engine.hpp"
 #include "lynx/speculation/session.hpp"
@@ -23,20 +24,8 @@ namespace {
 constexpr int prompts = 20;
 constexpr int committed_tokens = 64;
 
-const ll::weights* real_model() {
-  static const std::filesystem::path path =
-      std::filesystem::path(LYNX_SHARED_DIR) / "models" / "stories260K.bin";
-  static const ll::weights* model = std::filesystem::exists(path) ? new ll::weights(path) : nullptr;
-  return model;
-}
-
-bool model_or_skip() {
-  if (real_model() != nullptr) return true;
-  if (std::getenv("CI") != nullptr)
-    FAIL("stories260K.bin missing from " LYNX_SHARED_DIR "/models: CI must have it");
-  MESSAGE("SKIPPED: stories260K.bin not found under " LYNX_SHARED_DIR "/models");
-  return false;
-}
+using lynx_tests::model_or_skip;
+using lynx_tests::real_model;
 
 struct prefilled {
   std::vector<int> prompt;

@@ -42,20 +42,8 @@ constexpr std::uint64_t generation = 7;
 
 clock_type::time_point in(clock_type::duration d) { return clock_type::now() + d; }
 
-const ll::weights* real_model() {
-  static const std::filesystem::path path =
-      std::filesystem::path(LYNX_SHARED_DIR) / "models" / "stories260K.bin";
-  static const ll::weights* model = std::filesystem::exists(path) ? new ll::weights(path) : nullptr;
-  return model;
-}
-
-bool model_or_skip() {
-  if (real_model() != nullptr) return true;
-  if (std::getenv("CI") != nullptr)
-    FAIL("stories260K.bin missing from " LYNX_SHARED_DIR "/models: CI must have it");
-  MESSAGE("SKIPPED: stories260K.bin not found under " LYNX_SHARED_DIR "/models");
-  return false;
-}
+using lynx_tests::model_or_skip;
+using lynx_tests::real_model;
 
 std::vector<int> prompt_of(std::uint64_t seed) {
   return ll::sample_prompt(*real_model(), seed, prompt_tokens);

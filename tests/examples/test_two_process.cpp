@@ -20,6 +20,7 @@
 #include <thread>
 #include <vector>
 
+#include "../support/real_model.hpp"
 #include "../transport_net/net_fixtures.hpp"
 #include "disagg/decode_node.hpp"
 #include "disagg/prefill_node.hpp"

@@ -260,7 +260,10 @@ TEST_CASE("a dead peer is reported on both sides; the scheduler stops posting") 
   receiver.join();
   CHECK(status == lynx::errc::peer_failure);
   CHECK(receiver_status == lynx::errc::peer_failure);
-  CHECK(received == 5);
+  // The link broke after the 5th segment; the one residual the 1-byte window may
+  // already have queued before the break can still be drained, nothing more.
+  CHECK(received >= 5);
+  CHECK(received <= 6);
   CHECK(scheduler.outstanding() == 0);
   int unposted = 0;
   for (const auto& r : scheduler.records()) {

@@ -14,6 +14,7 @@
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdio>
 #include <map>
 #include <random>
@@ -78,8 +79,14 @@ void encode_layer(benchmark::State& state) {
   const std::int64_t tokens = state.range(0);
   const int threads = static_cast<int>(state.range(1));
   const auto& in = input_for(tokens);
+  // Into buffers allocated once (a sender registers its buffers once), as for every plan.
+  lynx::encoded_layer<Plan> enc(lynx::make_geometry<Plan, 32>(in.k().shape), 0);
+  std::array<std::span<std::byte>, lynx::max_streams> out{};
+  for (int s = 0; s < Plan::streams; ++s) out[static_cast<std::size_t>(s)] = enc.segment(s);
   for (auto _ : state) {
-    auto enc = lynx::encode<Plan, 32, lynx::bf16>(in.k(), in.v(), 0, {0, threads});
+    lynx::encode_into<Plan, 32, lynx::bf16>(
+        in.k(), in.v(), 0, std::span<const std::span<std::byte>>(out.data(), Plan::streams),
+        {0, threads});
     benchmark::DoNotOptimize(enc.segment(0).data());
   }
   state.SetBytesProcessed(state.iterations() * static_cast<std::int64_t>(in.keys.size() * 4));

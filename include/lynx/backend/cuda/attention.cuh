@@ -653,8 +653,9 @@ cudaError_t launch(const PromptSrc& prompt, const TailSrc& tail, const attention
   chunk_kernel<D, PromptSrc, TailSrc>
       <<<s.chunk_grid(), attention_threads, smem, stream>>>(prompt, tail, p);
   LYNX_CUDA_TRY(cudaGetLastError());
-  combine_kernel<D> < <<static_cast<unsigned>(s.n_queries * s.q_heads), D<32 ? 32 : D, 0, stream>>>(
-                          ml, acc, p.chunks, out.data, out.lse);
+  constexpr unsigned combine_threads = D < 32 ? 32u : static_cast<unsigned>(D);
+  combine_kernel<D><<<static_cast<unsigned>(s.n_queries * s.q_heads), combine_threads, 0, stream>>>(
+      ml, acc, p.chunks, out.data, out.lse);
   return cudaGetLastError();
 }
 

@@ -302,6 +302,66 @@ struct next_rows {
   }
 };
 
+// Min and max of 16 value groups (PerGroup chunks each, at gp[k]) reduced as reduce16 does,
+// evaluated depth first so the partial results stay in registers. Non-finite input
+// gives NaN in nf; each group has its own accumulator (no serial chain of fmas).
+template <int PerGroup, class T>
+LYNX_ALWAYS_INLINE void group_minmax(const T* p, __m512& nf, __m512& l, __m512& u) {
+  l = load16(p);
+  u = l;
+  nf = _mm512_mul_ps(l, _mm512_setzero_ps());
+  for (int i = 1; i < PerGroup; ++i) {
+    const __m512 v = load16(p + 16 * i);
+    nf = track_non_finite(nf, v);
+    l = _mm512_min_ps(v, l);
+    u = _mm512_max_ps(v, u);
+  }
+}
+
+template <int Width, int PerGroup, class T>
+LYNX_ALWAYS_INLINE void reduce_groups(const T* const* gp, __m512& nf, __m512& l, __m512& u) {
+  if constexpr (Width == 1) {
+    group_minmax<PerGroup>(gp[0], nf, l, u);
+  } else {
+    __m512 nfa, la, ua, nfb, lb, ub;
+    reduce_groups<Width / 2, PerGroup>(gp, nfa, la, ua);
+    reduce_groups<Width / 2, PerGroup>(gp + Width / 2, nfb, lb, ub);
+    constexpr int step = Width == 2 ? 0 : Width == 4 ? 1 : Width == 8 ? 2 : 3;
+    const __m512i x_index = _mm512_load_si512(reduce_index.x[step]),
+                  y_index = _mm512_load_si512(reduce_index.y[step]);
+    l = _mm512_min_ps(_mm512_permutex2var_ps(la, x_index, lb),
+                      _mm512_permutex2var_ps(la, y_index, lb));
+    u = _mm512_max_ps(_mm512_permutex2var_ps(ua, x_index, ub),
+                      _mm512_permutex2var_ps(ua, y_index, ub));
+    nf = _mm512_add_ps(nfa, nfb);
+  }
+}
+
+// Key group minima/maxima of NQ chunks from channel 16 q0, tokens [t0, t1), as the
+// portable loop (l = v < l ? v : l from the first token); one NaN accumulator per chunk.
+template <int NQ, class T>
+LYNX_ALWAYS_INLINE void key_minmax(const kv_view<const T, host_space>& keys, std::int64_t h,
+                                   std::int64_t q0, std::int64_t t0, std::int64_t t1,
+                                   const next_rows<T>& next, std::int64_t u0, __m512 (&lo)[8],
+                                   __m512 (&hi)[8], __m512& non_finite) {
+  __m512 nf[NQ];
+  for (int k = 0; k < NQ; ++k) {
+    lo[k] = hi[k] = load16(&keys(t0, h, 16 * (q0 + k)));
+    nf[k] = _mm512_setzero_ps();
+  }
+  for (std::int64_t t = t0; t < t1; ++t) {
+    if (q0 == 0) next.prefetch_key_row(t - u0);
+    const T* row = &keys(t, h, 16 * q0);
+    for (int k = 0; k < NQ; ++k) {
+      const __m512 v = load16(row + 16 * k);
+      nf[k] = track_non_finite(nf[k], v);
+      lo[k] = _mm512_min_ps(v, lo[k]);
+      hi[k] = _mm512_max_ps(v, hi[k]);
+    }
+  }
+  for (int k = 0; k < NQ; ++k) non_finite = _mm512_add_ps(non_finite, nf[k]);
+}
+
 /// Per-thread scratch of the encoder.
 struct encode_scratch {
   std::vector<float> key_inv;                // [key groups in a unit][head_dim]
@@ -389,18 +449,24 @@ void encode_unit(const kv_view<const T, host_space>& keys,
     for (std::int64_t q0 = 0; q0 < chunks; q0 += 8) {
       const int nq = static_cast<int>(std::min<std::int64_t>(8, chunks - q0));
       __m512 lo[8], hi[8];
-      for (int k = 0; k < 8; ++k)
-        if (k < nq) lo[k] = hi[k] = load16(&keys(t0, h, 16 * (q0 + k)));
-      for (std::int64_t t = t0; t < t1; ++t) {
-        if (q0 == 0) next.prefetch_key_row(t - u0);
-        const T* row = &keys(t, h, 16 * q0);
+      if (nq == 8) {
+        key_minmax<8>(keys, h, q0, t0, t1, next, u0, lo, hi, non_finite);
+      } else if (nq == 4) {
+        key_minmax<4>(keys, h, q0, t0, t1, next, u0, lo, hi, non_finite);
+      } else {
         for (int k = 0; k < 8; ++k)
-          if (k < nq) {
-            const __m512 v = load16(row + 16 * k);
-            non_finite = track_non_finite(non_finite, v);
-            lo[k] = _mm512_min_ps(v, lo[k]);
-            hi[k] = _mm512_max_ps(v, hi[k]);
-          }
+          if (k < nq) lo[k] = hi[k] = load16(&keys(t0, h, 16 * (q0 + k)));
+        for (std::int64_t t = t0; t < t1; ++t) {
+          if (q0 == 0) next.prefetch_key_row(t - u0);
+          const T* row = &keys(t, h, 16 * q0);
+          for (int k = 0; k < 8; ++k)
+            if (k < nq) {
+              const __m512 v = load16(row + 16 * k);
+              non_finite = track_non_finite(non_finite, v);
+              lo[k] = _mm512_min_ps(v, lo[k]);
+              hi[k] = _mm512_max_ps(v, hi[k]);
+            }
+        }
       }
       for (int k = 0; k < nq; ++k) {
         const std::int64_t q = q0 + k;
@@ -456,26 +522,46 @@ void encode_unit(const kv_view<const T, host_space>& keys,
     float* vscale = value_scale_head + t0 * VGs;
     float* vzero = value_zero_head + t0 * VGs;
     for (std::int64_t f0 = 0; f0 < groups; f0 += 16) {
-      __m512 lo[16], hi[16];
       const int batch = static_cast<int>(std::min<std::int64_t>(16, groups - f0));
       // Group f = f0 + k is (token f / VGs, channels from (f % VGs) * VG), stepped
       // without divisions; past the batch the last group repeats.
+      const T* gp[16];
       std::int64_t f_tok = f0 / VGs, f_grp = f0 % VGs;
       for (int k = 0; k < 16; ++k) {
-        const std::int64_t tok = t0 + f_tok, c0 = f_grp * VG;
+        gp[k] = &values(t0 + f_tok, h, f_grp * VG);
         if (k + 1 < batch && ++f_grp == VGs) f_grp = 0, ++f_tok;
-        __m512 l = load16(&values(tok, h, c0)), u = l;
-        non_finite = track_non_finite(non_finite, l);
-        for (std::int64_t i = 1; i < per_group; ++i) {
-          const __m512 v = load16(&values(tok, h, c0 + 16 * i));
-          non_finite = track_non_finite(non_finite, v);
-          l = _mm512_min_ps(v, l);
-          u = _mm512_max_ps(v, u);
-        }
-        lo[k] = l;
-        hi[k] = u;
       }
-      __m512 l = reduce16<false>(lo), u = reduce16<true>(hi);
+      __m512 l, u, nf;
+      switch (per_group) {
+        case 1:
+          reduce_groups<16, 1>(gp, nf, l, u);
+          break;
+        case 2:
+          reduce_groups<16, 2>(gp, nf, l, u);
+          break;
+        case 4:
+          reduce_groups<16, 4>(gp, nf, l, u);
+          break;
+        default: {
+          __m512 lo[16], hi[16];
+          nf = _mm512_setzero_ps();
+          for (int k = 0; k < 16; ++k) {
+            __m512 lk = load16(gp[k]), uk = lk;
+            nf = track_non_finite(nf, lk);
+            for (std::int64_t i = 1; i < per_group; ++i) {
+              const __m512 v = load16(gp[k] + 16 * i);
+              nf = track_non_finite(nf, v);
+              lk = _mm512_min_ps(v, lk);
+              uk = _mm512_max_ps(v, uk);
+            }
+            lo[k] = lk;
+            hi[k] = uk;
+          }
+          l = reduce16<false>(lo);
+          u = reduce16<true>(hi);
+        }
+      }
+      non_finite = _mm512_add_ps(non_finite, nf);
       // A zero minimum or maximum: which zero the portable loop keeps depends on order.
       __mmask16 zeros = _mm512_cmp_ps_mask(l, _mm512_setzero_ps(), _CMP_EQ_OQ) |
                         _mm512_cmp_ps_mask(u, _mm512_setzero_ps(), _CMP_EQ_OQ);

@@ -599,16 +599,24 @@ void encode_unit(const kv_view<const T, host_space>& keys,
 
     // Value codes.
     for (std::int64_t t = 0; t < tokens_per_word; t += 4) {
+      // Rows and parameter rows of the 4 tokens (no stride arithmetic in the chunk loop).
+      const T* value_row[4];
+      const float* zero_of[4];
+      const float* inv_of[4];
+      for (int k = 0; k < 4; ++k) {
+        value_row[k] = &values(std::min(t0 + t + k, g.tokens - 1), h, 0);
+        zero_of[k] = s.value_zero.data() + (t + k) * VGs;
+        inv_of[k] = s.value_inv.data() + (t + k) * VGs;
+      }
       for (std::int64_t q = 0, grp = 0, in_group = 0; q < chunks; ++q) {
         __m512i c[4];
         const std::int64_t group_of_q = grp;
         if (++in_group == per_group) in_group = 0, ++grp;
         for (int k = 0; k < 4; ++k) {
           if (t + k < n) {
-            const std::int64_t f = (t + k) * VGs + group_of_q;
-            c[k] = quantize16<Bits>(load16(&values(t0 + t + k, h, 16 * q)),
-                                    _mm512_set1_ps(s.value_zero[static_cast<std::size_t>(f)]),
-                                    _mm512_set1_ps(s.value_inv[static_cast<std::size_t>(f)]));
+            c[k] = quantize16<Bits>(load16(value_row[k] + 16 * q),
+                                    _mm512_set1_ps(zero_of[k][group_of_q]),
+                                    _mm512_set1_ps(inv_of[k][group_of_q]));
           } else {
             c[k] = _mm512_setzero_si512();
           }

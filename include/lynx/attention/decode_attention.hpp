@@ -329,7 +329,8 @@ class decode_attention {
     const std::int64_t per_thread = detail::split_scratch_floats(heads, D, p.value_groups) + 64;
     const int threads = options.threads <= 0 ? detail::hardware_threads() : options.threads;
 
-    // work items: (query, split, kv head)
+    // work items: (query, split, kv head) or (query, kv head, split)
+    constexpr bool split_fastest = requires { prompt_src->view; };
     const std::int64_t items = q.count * p.kv_heads * splits;
     detail::parallel_for(threads, threads, [&](std::int64_t w0, std::int64_t w1) {
       for (std::int64_t worker = w0; worker < w1; ++worker) {
@@ -337,12 +338,15 @@ class decode_attention {
             detail::carve_scratch(scratch_base + worker * per_thread, heads, D, p.value_groups);
         const std::int64_t i0 = items * worker / threads, i1 = items * (worker + 1) / threads;
         for (std::int64_t item = i0; item < i1; ++item) {
-          // kv head fastest: consecutive items read the same tokens' rows of a
-          // token-major cache (pages stay in the TLB); which item runs where
-          // never changes what it computes
+          // Which item runs where never changes what it computes; the order only
+          // serves the memory walk. A dense token-major cache: kv head fastest, so
+          // consecutive items read the same tokens' rows (pages stay in the TLB).
+          // A bit-plane prompt keeps each kv head's planes and parameters in
+          // contiguous sections: split fastest, so a worker streams through them
+          // front to back and the hardware prefetchers follow.
           const std::int64_t i = item / (p.kv_heads * splits);
-          const std::int64_t s = (item / p.kv_heads) % splits;
-          const std::int64_t g = item % p.kv_heads;
+          const std::int64_t s = split_fastest ? item % splits : (item / p.kv_heads) % splits;
+          const std::int64_t g = split_fastest ? (item / splits) % p.kv_heads : item % p.kv_heads;
           float* state = partials + ((i * p.kv_heads + g) * splits + s) * heads * stride_state;
           float* m = state;                // [heads]
           float* l = state + heads;        // [heads]
@@ -372,8 +376,15 @@ class decode_attention {
             continue;
           }
           if (in_prompt) {
+            detail::next_split next{};  // the prompt split this worker walks next, if any
+            if (split_fastest && item + 1 < i1) {
+              const std::int64_t s2 = (item + 1) % splits, g2 = ((item + 1) / splits) % p.kv_heads;
+              if (s2 < prompt_splits)
+                next = {g2, s2 * attention_split_tokens,
+                        std::min(p.prompt_tokens, (s2 + 1) * attention_split_tokens)};
+            }
             detail::compute_split(*prompt_src, g, qsc, heads, t0, t1, first_visible, variant,
-                                  prompt_simd, w, m, l, acc);
+                                  prompt_simd, w, m, l, acc, next);
           } else {
             detail::compute_split(tail, g, qsc, heads, t0, t1, first_visible, variant, tail_simd, w,
                                   m, l, acc);

@@ -80,18 +80,20 @@ LYNX_HOST_DEVICE float fold_query_into_key_group(const float* q, const float* sc
 }
 
 /// Score of one token of a 32-token block against a folded query: the channel
-/// sum runs in channel order, one fused multiply-add per channel.
+/// sum starts at 0 and runs in channel order, one fused multiply-add per
+/// channel; the bias is added last (so SIMD kernels start the sums before the
+/// bias's reduction is done).
 /// plane_rows[j] points at plane j's words [head_dim] of this block.
 LYNX_HOST_DEVICE float key_token_score(const float* qs, float bias,
                                        const std::uint32_t* const* plane_rows, int planes,
                                        int head_dim, int token) {
-  float s = bias;
+  float s = 0.0f;
   for (int c = 0; c < head_dim; ++c) {
     std::uint32_t code = 0;
     for (int j = 0; j < planes; ++j) code = (code << 1) | token_bit(plane_rows[j][c], token);
     s = detail::fused_multiply_add(qs[c], static_cast<float>(code), s);
   }
-  return s;
+  return s + bias;
 }
 
 /// Weights of one value token of one channel group: the output gains

@@ -49,6 +49,17 @@ inline bool host_has_avx512() {
 #endif
 }
 
+/// True when this CPU also runs the GFNI bit-plane decoders (GFNI + AVX512-VBMI).
+inline bool host_has_gfni() {
+#if LYNX_ATTENTION_AVX512
+  static const bool yes =
+      host_has_avx512() && __builtin_cpu_supports("gfni") && __builtin_cpu_supports("avx512vbmi");
+  return yes;
+#else
+  return false;
+#endif
+}
+
 /// A bit-plane prompt at `planes` planes of Plan::bits.
 template <stream_plan_type Plan, int G>
 struct plane_kv_source {
@@ -80,6 +91,44 @@ struct plane_kv_source {
     (void)keys, (void)h, (void)b;
 #endif
   }
+  /// Asks L2 for slice `part` of `parts` of everything one split [t0, t1) of kv
+  /// head h reads (plane words of its blocks and its scales and zeros), keys
+  /// or values. The kernels call it block by block for the split they will
+  /// walk next, so its bytes are in L2 when the walk starts.
+  void prefetch_split_slice(bool keys, std::int64_t h, std::int64_t t0, std::int64_t t1, int part,
+                            int parts) const {
+#if defined(__GNUC__) || defined(__clang__)
+    const layer_geometry& g = view.geometry;
+    const std::int64_t b0 = t0 / tokens_per_word, b1 = (t1 + tokens_per_word - 1) / tokens_per_word;
+    auto slice = [&](const void* base, std::int64_t bytes) {
+      const char* p = static_cast<const char*>(base);
+      const std::int64_t lo = bytes * part / parts / 64 * 64, hi = bytes * (part + 1) / parts;
+      for (std::int64_t o = lo; o < hi; o += 64) __builtin_prefetch(p + o, 0, 2);
+    };
+    int j = 0;
+    for (int st = 0; j < planes; ++st) {
+      const int n = std::min(g.planes_in(st), planes - j);
+      const std::uint32_t* base = keys ? view.key_planes(st) : view.value_planes(st);
+      // blocks of one kv head are consecutive: [b0, b1) x [planes of st] x head_dim words
+      slice(base + g.word_index(st, h, b0, 0, 0),
+            ((b1 - b0 - 1) * g.planes_in(st) + n) * g.head_dim * 4);
+      j += n;
+    }
+    if (keys) {
+      const std::int64_t k0 = (h * g.key_token_groups() + t0 / g.key_group) * g.head_dim,
+                         k1 = (h * g.key_token_groups() + (t1 - 1) / g.key_group + 1) * g.head_dim;
+      slice(view.key_scale() + k0, (k1 - k0) * 4);
+      slice(view.key_zero() + k0, (k1 - k0) * 4);
+    } else {
+      const std::int64_t groups = g.value_channel_groups();
+      const std::int64_t v0 = (h * g.tokens + t0) * groups, v1 = (h * g.tokens + t1) * groups;
+      slice(view.value_scale() + v0, (v1 - v0) * 4);
+      slice(view.value_zero() + v0, (v1 - v0) * 4);
+    }
+#else
+    (void)keys, (void)h, (void)t0, (void)t1, (void)part, (void)parts;
+#endif
+  }
   [[nodiscard]] float level_unit() const { return static_cast<float>(1u << (Plan::bits - planes)); }
   [[nodiscard]] float half() const { return midpoint_offset<Plan::bits>(planes); }
 };
@@ -90,6 +139,11 @@ struct dense_kv_source {
   kv_view<const T, host_space> keys, values;
   [[nodiscard]] std::int64_t tokens() const { return keys.shape.tokens; }
   [[nodiscard]] int head_dim() const { return static_cast<int>(keys.shape.head_dim); }
+};
+
+/// A split a worker walks next (kv head, tokens), for the L2 prefetches; t1 <= t0: none.
+struct next_split {
+  std::int64_t kv_head = 0, t0 = 0, t1 = 0;
 };
 
 /// How far ahead (in 32-token blocks) the bit-plane walks ask for plane words:
@@ -202,23 +256,10 @@ void value_weights_portable(const plane_kv_source<Plan, G>& src, std::int64_t kv
     }
 }
 
-/// Sums of the 16 value lanes of every (head, channel) by the halving tree, plus the offset.
-inline void finish_value_lanes(const float* lanes, int heads, int D, std::int64_t VG,
-                               std::int64_t groups, const float* offsets, float* acc) {
-  for (int h = 0; h < heads; ++h)
-    for (int c = 0; c < D; ++c) {
-      float x[attention_reduction_lanes];
-      for (int l = 0; l < attention_reduction_lanes; ++l)
-        x[l] = lanes[(h * D + c) * attention_reduction_lanes + l];
-      for (int wdt = attention_reduction_lanes / 2; wdt >= 1; wdt /= 2)
-        for (int l = 0; l < wdt; ++l) x[l] += x[l + wdt];
-      acc[h * D + c] = x[0] + offsets[h * groups + c / VG];
-    }
-}
-
 /// acc[h][c] = offsets[h][grp(c)] + sum_t weights[h][grp(c)][t] * code(t, c):
-/// lane l = t mod 16 sums its tokens in order over whole 32-token blocks (weights
-/// of tokens past t1 are 0), then the lanes fold by the halving tree.
+/// one fused multiply-add per token in token order, starting from 0, then the
+/// offset. Lane = channel in the SIMD kernels: every (head, channel) sum is one
+/// chain, so the sums stay in registers and need no reduction at the end.
 template <stream_plan_type Plan, int G>
 void accumulate_values_portable(const plane_kv_source<Plan, G>& src, std::int64_t kv_head,
                                 int heads, std::int64_t t0, std::int64_t t1, float* acc,
@@ -226,26 +267,25 @@ void accumulate_values_portable(const plane_kv_source<Plan, G>& src, std::int64_
   const layer_geometry& g = src.view.geometry;
   const int D = static_cast<int>(g.head_dim);
   const std::int64_t groups = g.value_channel_groups(), VG = g.value_group;
-  std::fill(w.lanes, w.lanes + heads * D * attention_reduction_lanes, 0.0f);
+  std::fill(acc, acc + heads * D, 0.0f);
   const std::uint32_t* rows[16];
   for (std::int64_t b = t0 / attention_block_tokens; b * attention_block_tokens < t1; ++b) {
     src.block_rows(false, kv_head, b, rows);
     const std::int64_t tb = b * attention_block_tokens;
-    for (int c = 0; c < D; ++c)
-      for (int i = 0; i < attention_block_tokens; ++i) {
+    for (std::int64_t t = std::max(tb, t0); t < std::min(tb + attention_block_tokens, t1); ++t)
+      for (int c = 0; c < D; ++c) {
         std::uint32_t k = 0;
-        for (int j = 0; j < src.planes; ++j) k = (k << 1) | token_bit(rows[j][c], i);
+        for (int j = 0; j < src.planes; ++j)
+          k = (k << 1) | token_bit(rows[j][c], static_cast<int>(t - tb));
         const float code = static_cast<float>(k);
-        for (int h = 0; h < heads; ++h) {
-          float& lane =
-              w.lanes[(h * D + c) * attention_reduction_lanes + i % attention_reduction_lanes];
-          lane = detail::fused_multiply_add(
-              w.weights[(h * groups + c / VG) * attention_split_tokens + (tb + i - t0)], code,
-              lane);
-        }
+        for (int h = 0; h < heads; ++h)
+          acc[h * D + c] = detail::fused_multiply_add(
+              w.weights[(h * groups + c / VG) * attention_split_tokens + (t - t0)], code,
+              acc[h * D + c]);
       }
   }
-  finish_value_lanes(w.lanes, heads, D, VG, groups, w.offsets, acc);
+  for (int h = 0; h < heads; ++h)
+    for (int c = 0; c < D; ++c) acc[h * D + c] += w.offsets[h * groups + c / VG];
 }
 
 /// Dense score in the fixed order: 16 lanes over channels c = l (mod 16), then a halving tree.
@@ -406,7 +446,12 @@ LYNX_ATTENTION_AVX512_TARGET void value_weights_avx512(const plane_kv_source<Pla
                                                        const split_scratch& w) {
   const layer_geometry& g = src.view.geometry;
   const std::int64_t groups = g.value_channel_groups();
-  const __m512 u = _mm512_set1_ps(src.level_unit()), hv = _mm512_set1_ps(src.half());
+  // the GFNI value kernels multiply by prefix << (decoded_bits - P): the weights
+  // carry 2^-(decoded_bits - P) (exact, a power of two)
+  const int shift =
+      host_has_gfni() && g.value_group % 16 == 0 ? (src.planes > 8 ? 16 : 8) - src.planes : 0;
+  const __m512 u = _mm512_set1_ps(std::ldexp(src.level_unit(), -shift)),
+               hv = _mm512_set1_ps(src.half());
   const float* vs = src.view.value_scale() + kv_head * g.tokens * groups;
   const float* vz = src.view.value_zero() + kv_head * g.tokens * groups;
   const __m512i stride =
@@ -531,12 +576,6 @@ LYNX_ATTENTION_AVX512_TARGET inline void decode_key_block_avx512(const std::uint
 #define LYNX_ATTENTION_GFNI_TARGET \
   __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vbmi,gfni,fma")))
 
-inline bool host_has_gfni() {
-  static const bool yes =
-      host_has_avx512() && __builtin_cpu_supports("gfni") && __builtin_cpu_supports("avx512vbmi");
-  return yes;
-}
-
 /// Codes of one 32-token block, 16 channels at a time, by bit-matrix transposes:
 /// the plane words of 16 channels (one zmm per plane) are byte-transposed so each
 /// qword holds one byte (8 tokens) of 8 planes; GF2P8AFFINEQB transposes each
@@ -655,7 +694,7 @@ LYNX_ATTENTION_GFNI_TARGET inline void score_block_fused_gfni(const std::uint32_
   __m512i zext[4];
   token_byte_zext_gfni(zext);
   __m512 a[HC][2];
-  for (int h = 0; h < HC; ++h) a[h][0] = a[h][1] = _mm512_set1_ps(bias[h]);
+  for (int h = 0; h < HC; ++h) a[h][0] = a[h][1] = _mm512_setzero_ps();
   struct accumulate {
     const float* qs;
     int D, c0;
@@ -673,78 +712,133 @@ LYNX_ATTENTION_GFNI_TARGET inline void score_block_fused_gfni(const std::uint32_
     decode_chunk_gfni(rows, planes, c0, 16, zext, accumulate{qs, D, c0, a});
   if (c0 < D) decode_chunk_gfni(rows, planes, c0, D - c0, zext, accumulate{qs, D, c0, a});
   for (int h = 0; h < HC; ++h) {
-    _mm512_storeu_ps(out + h * attention_split_tokens, a[h][0]);
-    _mm512_storeu_ps(out + h * attention_split_tokens + 16, a[h][1]);
+    const __m512 b = _mm512_set1_ps(bias[h]);
+    _mm512_storeu_ps(out + h * attention_split_tokens, _mm512_add_ps(a[h][0], b));
+    _mm512_storeu_ps(out + h * attention_split_tokens + 16, _mm512_add_ps(a[h][1], b));
   }
 }
 
-/// Lane update of one decoded value channel for HC heads: lane l of (h, c) gains
-/// w[h][grp(c)][l] * code(l, c), then w[h][grp(c)][16 + l] * code(16 + l, c). The
-/// group's weights (times 2^-shift) stay in registers until the channel leaves it.
-template <int HC>
-struct value_channel_accumulate {
-  const float* weights;  // [HC][groups][S], at this block's first token
-  std::int64_t VG, groups;
-  __m512 unscale;
-  float* lanes;  // [HC][D][16]
-  int D, c0;
-  std::int64_t* group_end;  // first channel past the group whose weights wv holds
-  __m512 (*wv)[2];
-  LYNX_ATTENTION_GFNI_INLINE void operator()(int i, const __m512* k) const {
-    const int c = c0 + i;
-    if (c >=
-        *group_end) {  // channels come in order: a new group starts here (no division per channel)
-      const std::int64_t grp = c / VG;
-      for (int h = 0; h < HC; ++h)
-        for (int j = 0; j < 2; ++j)
-          wv[h][j] = _mm512_mul_ps(
-              _mm512_loadu_ps(weights + (h * groups + grp) * attention_split_tokens + 16 * j),
-              unscale);
-      *group_end = (grp + 1) * VG;
+/// Token-major codes of one 32-token block for 16 channels c0..c0+15, from
+/// planes [first, first + count) (count <= 8): out[r], 128-bit lane k, byte i is
+/// the code of token 8k + r, channel c0 + i, with plane `first` in the top bit
+/// (prefix << (8 - count) of these planes). Channels >= D read as zero words.
+///   1. per plane, one byte permute makes qword (k, half) = the token byte k of
+///      channels 8 half + 7 .. 8 half (so the transposes below come out in
+///      channel order), and GF2P8AFFINEQB transposes each 8x8 bit matrix: byte
+///      i = the plane's bits of token 8k + i over the 8 channels;
+///   2. three unpack levels gather the 8 planes' bytes of one (token, half) into
+///      a qword, and a second GF2P8AFFINEQB turns it into 8 channel codes;
+///   3. the two halves of a token are joined into 16 bytes.
+LYNX_ATTENTION_GFNI_INLINE void token_major_codes_gfni(const std::uint32_t* const* rows, int first,
+                                                       int count, int c0, int channels,
+                                                       __m512i out[8]) {
+  alignas(64) static constexpr std::uint8_t gather_bytes[64] = {
+#define LYNX_Q(k, half)                                                                           \
+  4 * (8 * half + 7) + k, 4 * (8 * half + 6) + k, 4 * (8 * half + 5) + k, 4 * (8 * half + 4) + k, \
+      4 * (8 * half + 3) + k, 4 * (8 * half + 2) + k, 4 * (8 * half + 1) + k,                     \
+      4 * (8 * half + 0) + k
+      LYNX_Q(0, 0), LYNX_Q(0, 1), LYNX_Q(1, 0), LYNX_Q(1, 1), LYNX_Q(2, 0),
+      LYNX_Q(2, 1), LYNX_Q(3, 0), LYNX_Q(3, 1)
+#undef LYNX_Q
+  };
+  const __m512i gather = _mm512_load_si512(gather_bytes);
+  const __m512i tr = _mm512_set1_epi64(static_cast<long long>(0x8040201008040201ull));
+  const __mmask16 live = channels >= 16 ? static_cast<__mmask16>(0xFFFF)
+                                        : static_cast<__mmask16>((1u << channels) - 1u);
+  __m512i y[8];
+  for (int j = 0; j < 8; ++j) {
+    if (j >= count) {
+      y[j] = _mm512_setzero_si512();
+      continue;
     }
-    for (int h = 0; h < HC; ++h) {
-      float* lane = lanes + (static_cast<std::int64_t>(h) * D + c) * 16;
-      __m512 x = _mm512_load_ps(lane);
-      x = _mm512_fmadd_ps(wv[h][0], k[0], x);
-      x = _mm512_fmadd_ps(wv[h][1], k[1], x);
-      _mm512_store_ps(lane, x);
-    }
+    const __m512i wv = channels >= 16 ? _mm512_loadu_si512(rows[first + j] + c0)
+                                      : _mm512_maskz_loadu_epi32(live, rows[first + j] + c0);
+    y[j] = _mm512_gf2p8affine_epi64_epi8(tr, _mm512_permutexvar_epi8(gather, wv), 0);
   }
-};
+  __m512i a[4][2], b[2][2][2];
+  for (int p = 0; p < 4; ++p) {
+    a[p][0] = _mm512_unpacklo_epi8(y[2 * p], y[2 * p + 1]);
+    a[p][1] = _mm512_unpackhi_epi8(y[2 * p], y[2 * p + 1]);
+  }
+  for (int p = 0; p < 2; ++p)
+    for (int h = 0; h < 2; ++h) {
+      b[p][h][0] = _mm512_unpacklo_epi16(a[2 * p][h], a[2 * p + 1][h]);
+      b[p][h][1] = _mm512_unpackhi_epi16(a[2 * p][h], a[2 * p + 1][h]);
+    }
+  for (int s2 = 0; s2 < 2; ++s2)
+    for (int u = 0; u < 2; ++u) {
+      __m512i z[2];
+      for (int h = 0; h < 2; ++h)
+        z[h] =
+            _mm512_gf2p8affine_epi64_epi8(tr,
+                                          u == 0 ? _mm512_unpacklo_epi32(b[0][h][s2], b[1][h][s2])
+                                                 : _mm512_unpackhi_epi32(b[0][h][s2], b[1][h][s2]),
+                                          0);
+      out[4 * s2 + 2 * u] = _mm512_unpacklo_epi64(z[0], z[1]);
+      out[4 * s2 + 2 * u + 1] = _mm512_unpackhi_epi64(z[0], z[1]);
+    }
+}
 
-/// Adds `nblocks` consecutive value blocks to the lanes of HC heads, chunk of 16
-/// channels outermost: the lanes of one chunk (HC x 16 x 64 B) stay in L1 while
-/// the blocks stream by, instead of all HC x D lanes (32 KiB at 4 heads x 128
-/// channels) cycling through L1 once per block. Every lane still gains its blocks
-/// in token order, so the sums are the same as block by block.
-/// rows0[j]: plane j's words of the first block; stride[j]: words from one block to the next.
-template <int HC>
-LYNX_ATTENTION_GFNI_TARGET inline void add_value_span_fused_gfni(
+/// Adds the value blocks [b0, b0 + nblocks) of NC chunks of 16 channels
+/// (c0 + 16 n) to the sums of HC heads: acc[h][n] (lane = channel) gains
+/// w[h][grp][t] * code(t, c) token by token, in token order.
+/// weights: [HC][groups][S] at the first block's first token, already times
+/// 2^-(decoded_bits - P) (the codes here are prefix << (decoded_bits - P)).
+/// rows0[j]: plane j's words of the first block; stride[j]: words to the next block.
+template <int HC, int NC, bool TwoBytes>
+LYNX_ATTENTION_GFNI_TARGET void add_values_token_major_gfni(
     const std::uint32_t* const* rows0, const std::int64_t* stride, std::int64_t nblocks, int planes,
-    int D, std::int64_t VG, const float* weights /*[HC][groups][S], at the first block*/,
-    std::int64_t groups, __m512 unscale, float* lanes /*[HC][D][16]*/) {
+    int c0, int channels, std::int64_t VG, const float* weights, std::int64_t groups,
+    std::int64_t head_stride /*floats between heads in acc*/, float* acc) {
+  __m512 sum[HC][NC];
+  for (int h = 0; h < HC; ++h)
+    for (int n = 0; n < NC; ++n) sum[h][n] = _mm512_setzero_ps();
+  const float* wn[HC][NC];
+  for (int h = 0; h < HC; ++h)
+    for (int n = 0; n < NC; ++n)
+      wn[h][n] = weights + (h * groups + (c0 + 16 * n) / VG) * attention_split_tokens;
   __m512i zext[4];
   token_byte_zext_gfni(zext);
-  __m512 wv[HC][2];
   const std::uint32_t* rows[16];
-  for (int c0 = 0; c0 < D; c0 += 16) {
-    const int cn = D - c0 < 16 ? D - c0 : 16;
-    for (std::int64_t k = 0; k < nblocks; ++k) {
-      if (c0 == 0 &&
-          k + prefetch_blocks < nblocks)  // the first pass brings every line of the blocks ahead
-        for (int j = 0; j < planes; ++j)
-          for (int c = 0; c < D; c += 16)
-            __builtin_prefetch(rows0[j] + (k + prefetch_blocks) * stride[j] + c, 0, 3);
-      for (int j = 0; j < planes; ++j) rows[j] = rows0[j] + k * stride[j];
-      std::int64_t group_end = 0;  // reload the weights at this chunk's first channel
-      const value_channel_accumulate<HC> add{
-          weights + k * attention_block_tokens, VG, groups, unscale, lanes, D, c0, &group_end, wv};
-      if (cn == 16)
-        decode_chunk_gfni(rows, planes, c0, 16, zext, add);
-      else
-        decode_chunk_gfni(rows, planes, c0, cn, zext, add);
+  for (std::int64_t k = 0; k < nblocks; ++k) {
+    for (int j = 0; j < planes; ++j) rows[j] = rows0[j] + k * stride[j];
+    if (c0 == 0 && k + prefetch_blocks < nblocks)  // the first pass brings the blocks ahead
+      for (int j = 0; j < planes; ++j)
+        for (int c = 0; c < channels; c += 16)
+          __builtin_prefetch(rows0[j] + (k + prefetch_blocks) * stride[j] + c, 0, 3);
+    __m512i hi[NC][8], lo[TwoBytes ? NC : 1][8];
+    for (int n = 0; n < NC; ++n) {
+      const int cn = channels - 16 * n;
+      token_major_codes_gfni(rows, 0, TwoBytes ? 8 : planes, c0 + 16 * n, cn, hi[n]);
+      if constexpr (TwoBytes) token_major_codes_gfni(rows, 8, planes - 8, c0 + 16 * n, cn, lo[n]);
     }
+    const std::int64_t tb = k * attention_block_tokens;
+    for (int q = 0; q < 4; ++q)
+      for (int r = 0; r < 8; ++r) {
+        const int t = 8 * q + r;
+        __m512 code[NC];
+        for (int n = 0; n < NC; ++n) {
+          __m512i x = _mm512_maskz_permutexvar_epi8(gfni_low_bytes, zext[q], hi[n][r]);
+          if constexpr (TwoBytes)
+            x = _mm512_or_si512(_mm512_slli_epi32(x, 8),
+                                _mm512_maskz_permutexvar_epi8(gfni_low_bytes, zext[q], lo[n][r]));
+          code[n] = _mm512_cvtepi32_ps(x);
+        }
+        for (int h = 0; h < HC; ++h)
+          for (int n = 0; n < NC; ++n)
+            sum[h][n] = _mm512_fmadd_ps(_mm512_set1_ps(wn[h][n][tb + t]), code[n], sum[h][n]);
+      }
   }
+  for (int h = 0; h < HC; ++h)
+    for (int n = 0; n < NC; ++n) {
+      const int cn = channels - 16 * n;
+      if (cn <= 0) continue;
+      float* o = acc + h * head_stride + c0 + 16 * n;
+      if (cn >= 16)
+        _mm512_storeu_ps(o, sum[h][n]);
+      else
+        _mm512_mask_storeu_ps(o, static_cast<__mmask16>((1u << cn) - 1u), sum[h][n]);
+    }
 }
 
 /// Bits of the integers decode_block writes: prefix << (decoded_bits(P) - P).
@@ -769,7 +863,7 @@ LYNX_ATTENTION_AVX512_TARGET inline void score_block_avx512(const float* tile, i
                                                             const float* qs, const float* bias,
                                                             float* out) {
   __m512 a[HC][2];
-  for (int h = 0; h < HC; ++h) a[h][0] = a[h][1] = _mm512_set1_ps(bias[h]);
+  for (int h = 0; h < HC; ++h) a[h][0] = a[h][1] = _mm512_setzero_ps();
   for (int c = 0; c < D; ++c) {
     const __m512 k0 = _mm512_load_ps(tile + c * 32), k1 = _mm512_load_ps(tile + c * 32 + 16);
     for (int h = 0; h < HC; ++h) {
@@ -779,8 +873,9 @@ LYNX_ATTENTION_AVX512_TARGET inline void score_block_avx512(const float* tile, i
     }
   }
   for (int h = 0; h < HC; ++h) {
-    _mm512_storeu_ps(out + h * attention_split_tokens, a[h][0]);
-    _mm512_storeu_ps(out + h * attention_split_tokens + 16, a[h][1]);
+    const __m512 b = _mm512_set1_ps(bias[h]);
+    _mm512_storeu_ps(out + h * attention_split_tokens, _mm512_add_ps(a[h][0], b));
+    _mm512_storeu_ps(out + h * attention_split_tokens + 16, _mm512_add_ps(a[h][1], b));
   }
 }
 
@@ -788,7 +883,10 @@ template <stream_plan_type Plan, int G>
 LYNX_ATTENTION_AVX512_TARGET void score_tokens_avx512(const plane_kv_source<Plan, G>& src,
                                                       std::int64_t kv_head, const float* q,
                                                       int heads, std::int64_t t0, std::int64_t t1,
-                                                      const split_scratch& w) {
+                                                      const split_scratch& w,
+                                                      const next_split& next = {}) {
+  const int nb = static_cast<int>((t1 + attention_block_tokens - 1) / attention_block_tokens -
+                                  t0 / attention_block_tokens);
   const layer_geometry& g = src.view.geometry;
   const int D = static_cast<int>(g.head_dim);
   // the tile holds prefix << shift: fold 2^-shift into the query (exact, a power of two)
@@ -806,6 +904,12 @@ LYNX_ATTENTION_AVX512_TARGET void score_tokens_avx512(const plane_kv_source<Plan
         w.bias[h] = fold_query_avx512(q + h * D, src.view.key_scale() + base,
                                       src.view.key_zero() + base, D, unit, half, w.qs + h * D);
       folded_group = grp;
+    }
+    {  // this split's values (walked after the scores) and the next split's keys, into L2
+      const int part = static_cast<int>(b - t0 / attention_block_tokens);
+      src.prefetch_split_slice(false, kv_head, t0, t1, part, nb);
+      if (next.t1 > next.t0)
+        src.prefetch_split_slice(true, next.kv_head, next.t0, next.t1, part, nb);
     }
     src.prefetch_block(true, kv_head, b + prefetch_blocks);
     if (b + prefetch_blocks < g.blocks()) {  // the key parameters of that block's group
@@ -874,32 +978,9 @@ LYNX_ATTENTION_AVX512_TARGET void score_tokens_avx512(const plane_kv_source<Plan
   }
 }
 
-/// Adds `blocks` (1 or 2) decoded value blocks to the lanes of HC heads, channel
-/// by channel: lane l gains w[t] * code[t] for t = l, 16 + l of each block in order.
-template <int HC, int Blocks>
-LYNX_ATTENTION_AVX512_TARGET inline void add_value_blocks_avx512(
-    const float* tile, int D, std::int64_t c_begin, std::int64_t c_end,
-    const float* const* wts /*[HC] -> weights of the first block*/, __m512 unscale0,
-    __m512 unscale1, float* lanes /*[HC][D][16]*/) {
-  __m512 wv[HC][2 * Blocks];
-  for (int h = 0; h < HC; ++h)
-    for (int k = 0; k < 2 * Blocks; ++k)
-      wv[h][k] = _mm512_mul_ps(_mm512_loadu_ps(wts[h] + 16 * k), k < 2 ? unscale0 : unscale1);
-  for (std::int64_t c = c_begin; c < c_end; ++c) {
-    __m512 code[2 * Blocks];
-    for (int k = 0; k < 2 * Blocks; ++k)
-      code[k] = _mm512_load_ps(tile + (k / 2) * D * 32 + c * 32 + 16 * (k % 2));
-    for (int h = 0; h < HC; ++h) {
-      float* lane = lanes + (static_cast<std::int64_t>(h) * D + c) * 16;
-      __m512 x = _mm512_load_ps(lane);
-      for (int k = 0; k < 2 * Blocks; ++k) x = _mm512_fmadd_ps(wv[h][k], code[k], x);
-      _mm512_store_ps(lane, x);
-    }
-  }
-}
-
-/// Values over tokens [t0, t1) with lane = token (see accumulate_values_portable),
-/// two blocks per pass so each lane is loaded and stored once per 64 tokens.
+/// Values over tokens [t0, t1) (see accumulate_values_portable): the GFNI
+/// kernels where the CPU has them and a chunk of 16 channels lies in one value
+/// group, else the portable loop (same operations, same bits).
 template <stream_plan_type Plan, int G>
 LYNX_ATTENTION_AVX512_TARGET void accumulate_values_avx512(const plane_kv_source<Plan, G>& src,
                                                            std::int64_t kv_head, int heads,
@@ -908,91 +989,66 @@ LYNX_ATTENTION_AVX512_TARGET void accumulate_values_avx512(const plane_kv_source
   const layer_geometry& g = src.view.geometry;
   const int D = static_cast<int>(g.head_dim);
   const std::int64_t groups = g.value_channel_groups(), VG = g.value_group;
-  std::fill(w.lanes, w.lanes + heads * D * attention_reduction_lanes, 0.0f);
-  const std::uint32_t* rows[16];
-  const std::int64_t b_end = (t1 + attention_block_tokens - 1) / attention_block_tokens;
-  if (host_has_gfni()) {  // decode in registers, chunk of 16 channels by chunk
-    const __m512 unscale =
-        _mm512_set1_ps(std::ldexp(1.0f, -(decoded_bits(src.planes) - src.planes)));
-    const std::int64_t b0 = t0 / attention_block_tokens, nblocks = b_end - b0;
-    const std::uint32_t* next[16];
-    std::int64_t stride[16] = {};
-    src.block_rows(false, kv_head, b0, rows);
-    if (nblocks > 1) {  // blocks of a kv head are evenly spaced in each stream's section
-      src.block_rows(false, kv_head, b0 + 1, next);
-      for (int j = 0; j < src.planes; ++j) stride[j] = next[j] - rows[j];
-    }
-    for (std::int64_t k = 0; k < prefetch_blocks && k < nblocks; ++k)
-      src.prefetch_block(false, kv_head, b0 + k);
-    const std::int64_t off = b0 * attention_block_tokens - t0;
-    for (int h0 = 0; h0 < heads; h0 += 4) {
-      const float* wts = w.weights + h0 * groups * attention_split_tokens + off;
-      float* lanes = w.lanes + static_cast<std::int64_t>(h0) * D * 16;
-      switch (std::min(4, heads - h0)) {
-        case 1:
-          add_value_span_fused_gfni<1>(rows, stride, nblocks, src.planes, D, VG, wts, groups,
-                                       unscale, lanes);
-          break;
-        case 2:
-          add_value_span_fused_gfni<2>(rows, stride, nblocks, src.planes, D, VG, wts, groups,
-                                       unscale, lanes);
-          break;
-        case 3:
-          add_value_span_fused_gfni<3>(rows, stride, nblocks, src.planes, D, VG, wts, groups,
-                                       unscale, lanes);
-          break;
-        default:
-          add_value_span_fused_gfni<4>(rows, stride, nblocks, src.planes, D, VG, wts, groups,
-                                       unscale, lanes);
-          break;
-      }
-    }
-    finish_value_lanes(w.lanes, heads, D, VG, groups, w.offsets, acc);
+  if (!host_has_gfni() || VG % 16 != 0) {
+    accumulate_values_portable(src, kv_head, heads, t0, t1, acc, w);
     return;
   }
-  for (std::int64_t b = t0 / attention_block_tokens; b < b_end;) {
-    const int nb = b + 1 < b_end ? 2 : 1;
-    __m512 unscale[2];
-    for (int k = 0; k < nb; ++k) {
-      src.prefetch_block(false, kv_head, b + k + prefetch_blocks);
-      src.block_rows(false, kv_head, b + k, rows);
-      // the tile holds prefix << shift: scale the weights by 2^-shift (exact)
-      unscale[k] = _mm512_set1_ps(std::ldexp(
-          1.0f, -decode_block(rows, src.planes, D, w.tile + k * D * attention_block_tokens)));
-    }
-    if (nb == 1) unscale[1] = unscale[0];
-    const std::int64_t off = b * attention_block_tokens - t0;
-    for (std::int64_t grp = 0; grp < groups; ++grp)
-      for (int h0 = 0; h0 < heads; h0 += 4) {
-        const int hc = std::min(4, heads - h0);
-        const float* wts[4];
-        for (int h = 0; h < hc; ++h)
-          wts[h] = w.weights + ((h0 + h) * groups + grp) * attention_split_tokens + off;
-        float* lanes = w.lanes + static_cast<std::int64_t>(h0) * D * 16;
-        const std::int64_t c0 = grp * VG, c1 = c0 + VG;
-#define LYNX_ADD_VALUES(HC)                                                                    \
-  (nb == 2                                                                                     \
-       ? add_value_blocks_avx512<HC, 2>(w.tile, D, c0, c1, wts, unscale[0], unscale[1], lanes) \
-       : add_value_blocks_avx512<HC, 1>(w.tile, D, c0, c1, wts, unscale[0], unscale[1], lanes))
-        switch (hc) {
-          case 1:
-            LYNX_ADD_VALUES(1);
-            break;
-          case 2:
-            LYNX_ADD_VALUES(2);
-            break;
-          case 3:
-            LYNX_ADD_VALUES(3);
-            break;
-          default:
-            LYNX_ADD_VALUES(4);
-            break;
-        }
-#undef LYNX_ADD_VALUES
-      }
-    b += nb;
+  const std::int64_t b0 = t0 / attention_block_tokens,
+                     nblocks = (t1 + attention_block_tokens - 1) / attention_block_tokens - b0;
+  const std::uint32_t* rows[16];
+  const std::uint32_t* next[16];
+  std::int64_t stride[16] = {};
+  src.block_rows(false, kv_head, b0, rows);
+  if (nblocks > 1) {  // blocks of a kv head are evenly spaced in each stream's section
+    src.block_rows(false, kv_head, b0 + 1, next);
+    for (int j = 0; j < src.planes; ++j) stride[j] = next[j] - rows[j];
   }
-  finish_value_lanes(w.lanes, heads, D, VG, groups, w.offsets, acc);
+  for (std::int64_t k = 0; k < prefetch_blocks && k < nblocks; ++k)
+    src.prefetch_block(false, kv_head, b0 + k);
+  const float* wts = w.weights + (b0 * attention_block_tokens - t0);
+  const bool two = src.planes > 8;
+  for (int h0 = 0; h0 < heads;) {
+    const int hc = heads - h0 >= 4 ? 4 : heads - h0 >= 2 ? 2 : 1;
+    const float* wh = wts + h0 * groups * attention_split_tokens;
+    float* ah = acc + h0 * D;
+    for (int c0 = 0; c0 < D;) {
+      const int rest = D - c0;
+#define LYNX_VALUES(HC, NC)                                                                      \
+  (two ? add_values_token_major_gfni<HC, NC, true>(rows, stride, nblocks, src.planes, c0, rest,  \
+                                                   VG, wh, groups, D, ah)                        \
+       : add_values_token_major_gfni<HC, NC, false>(rows, stride, nblocks, src.planes, c0, rest, \
+                                                    VG, wh, groups, D, ah))
+      if (hc == 4) {
+        if (rest >= 32) {
+          LYNX_VALUES(4, 2);
+          c0 += 32;
+        } else {
+          LYNX_VALUES(4, 1);
+          c0 += 16;
+        }
+      } else if (hc == 2) {
+        if (rest >= 64) {
+          LYNX_VALUES(2, 4);
+          c0 += 64;
+        } else {
+          LYNX_VALUES(2, 1);
+          c0 += 16;
+        }
+      } else {
+        if (rest >= 64) {
+          LYNX_VALUES(1, 4);
+          c0 += 64;
+        } else {
+          LYNX_VALUES(1, 1);
+          c0 += 16;
+        }
+      }
+#undef LYNX_VALUES
+    }
+    h0 += hc;
+  }
+  for (int h = 0; h < heads; ++h)
+    for (int c = 0; c < D; ++c) acc[h * D + c] += w.offsets[h * groups + c / VG];
 }
 
 /// 16 consecutive channels of a dense row as floats.
@@ -1201,16 +1257,21 @@ bool avx512_supports(const dense_kv_source<T>& src) {
 /// One split of one source for one query and one kv head: partial states of
 /// `heads` query heads over tokens [t0, t1) with tokens before `first_visible` masked.
 /// q: [heads][D], already multiplied by the softmax scale. m, l: [heads]; acc: [heads][D].
+/// next: the split this worker walks after this one (for prefetches; never changes a result).
 template <class Source, class Variant>
 void compute_split(const Source& src, std::int64_t kv_head, const float* q, int heads,
                    std::int64_t t0, std::int64_t t1, std::int64_t first_visible,
                    const Variant& variant, bool simd, const split_scratch& w, float* m, float* l,
-                   float* acc) {
+                   float* acc, const next_split& next = {}) {
   const std::int64_t n = t1 - t0;
   (void)simd;
+  (void)next;
 #if LYNX_ATTENTION_AVX512
   if (simd) {
-    score_tokens_avx512(src, kv_head, q, heads, t0, t1, w);
+    if constexpr (requires { src.view; })
+      score_tokens_avx512(src, kv_head, q, heads, t0, t1, w, next);
+    else
+      score_tokens_avx512(src, kv_head, q, heads, t0, t1, w);
   } else
 #endif
   {

@@ -159,7 +159,6 @@ struct split_scratch {
   float* offsets;  // [heads][value groups]
   float* tile;     // [2][head_dim][32]: codes of two blocks, lane = token
   float* queries;  // [heads][head_dim]: the group's queries times the softmax scale
-  float* lanes;    // [heads][head_dim][16]: value sums by token index mod 16 (bit-plane values)
 };
 
 /// Floats of one worker's scratch for `heads` query heads per kv head, and
@@ -168,7 +167,7 @@ inline std::int64_t split_scratch_floats(std::int64_t heads, std::int64_t head_d
                                          std::int64_t value_groups) {
   const std::int64_t S = attention_split_tokens;
   return heads * S + heads * head_dim + heads + heads * value_groups * S + heads * value_groups +
-         2 * head_dim * attention_block_tokens + heads * head_dim + heads * head_dim * 16 + 8 * 16;
+         2 * head_dim * attention_block_tokens + heads * head_dim + 8 * 16;
 }
 
 inline split_scratch carve_scratch(float* base, std::int64_t heads, std::int64_t head_dim,
@@ -186,7 +185,6 @@ inline split_scratch carve_scratch(float* base, std::int64_t heads, std::int64_t
   s.offsets = align(s.weights + heads * value_groups * S);
   s.tile = align(s.offsets + heads * value_groups);
   s.queries = align(s.tile + 2 * head_dim * attention_block_tokens);
-  s.lanes = align(s.queries + heads * head_dim);
   return s;
 }
 

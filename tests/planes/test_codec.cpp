@@ -533,6 +533,10 @@ const codec_case codec_cases[] = {
     {{77, 2, 64}, data_kind::outlier, layout_kind::strided},
     {{33, 1, 256}, data_kind::constant, layout_kind::token_major},
     {{31, 1, 64}, data_kind::random, layout_kind::token_major},
+    // whole 32-token blocks with head_dim 128 (the bf16 block kernel of the vector path)
+    {{96, 2, 128}, data_kind::denormal, layout_kind::token_major},
+    {{64, 3, 128}, data_kind::constant, layout_kind::token_major},
+    {{72, 2, 128}, data_kind::signed_zero, layout_kind::token_major},
 };
 
 }  // namespace
@@ -1096,3 +1100,43 @@ TEST_CASE_TEMPLATE_DEFINE(
   }
 }
 TEST_CASE_TEMPLATE_APPLY(reject_id, rejection_configs);
+
+TEST_CASE(
+    "whole blocks of 32 tokens, head_dim 128: non-finite input and wide ranges are reported") {
+  using Plan = lynx::plan_8_4_4;
+  using T = lynx::bf16;
+  const lynx::kv_shape s{96, 2, 128};
+  const std::uint32_t layer = 3;
+  const float specials[] = {
+      std::numeric_limits<float>::quiet_NaN(), -std::numeric_limits<float>::quiet_NaN(),
+      std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity()};
+  struct place {
+    std::int64_t token, head, channel;
+  };
+  const place places[] = {{0, 0, 0}, {37, 1, 5}, {63, 1, 127}, {64, 0, 96}};
+  for (const float special : specials)
+    for (const place& at : places)
+      for (const bool in_keys : {true, false}) {
+        auto bad = make_input<T>(s, data_kind::random, layout_kind::token_major, 99);
+        (in_keys ? bad.keys : bad.values)(at.token, at.head, at.channel) =
+            lynx::from_float<T>(special);
+        const std::string want = std::string("lynx: non_finite_input: ") +
+                                 (in_keys ? "keys" : "values") + " of layer 3 holds " +
+                                 (std::isnan(special) ? "NaN" : "infinity") + " at kv head " +
+                                 std::to_string(at.head) + ", token " + std::to_string(at.token) +
+                                 ", channel " + std::to_string(at.channel);
+        CHECK(expect_error(lynx::errc::non_finite_input, [&] {
+                (void)lynx::encode<Plan, 32, T>(cview(bad.keys), cview(bad.values), layer);
+              }) == want);
+      }
+  for (const bool in_keys : {true, false}) {
+    auto wide = make_input<T>(s, data_kind::random, layout_kind::token_major, 99);
+    auto& x = in_keys ? wide.keys : wide.values;
+    x(40, 1, 33) = lynx::from_float<T>(3e38f);
+    x(in_keys ? 41 : 40, 1, in_keys ? 33 : 34) = lynx::from_float<T>(-3e38f);
+    const std::string msg = expect_error(lynx::errc::invalid_argument, [&] {
+      (void)lynx::encode<Plan, 32, T>(cview(wide.keys), cview(wide.values), layer);
+    });
+    CHECK(msg.find("exceeds the float range") != std::string::npos);
+  }
+}

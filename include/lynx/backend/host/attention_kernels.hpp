@@ -153,8 +153,8 @@ inline constexpr std::int64_t prefetch_blocks = 4;
 /// Scratch of one worker, in floats; see split_scratch_floats.
 struct split_scratch {
   float* scores;   // [heads][S]: logits, then p
-  float* qs;       // [heads][head_dim]: folded query of the current key group
-  float* bias;     // [heads]
+  float* qs;       // [2][heads][head_dim]: folded queries of two key groups
+  float* bias;     // [2][heads]
   float* weights;  // [heads][value groups][S]: value weights of the split
   float* offsets;  // [heads][value groups]
   float* tile;     // [2][head_dim][32]: codes of two blocks, lane = token
@@ -166,8 +166,8 @@ struct split_scratch {
 inline std::int64_t split_scratch_floats(std::int64_t heads, std::int64_t head_dim,
                                          std::int64_t value_groups) {
   const std::int64_t S = attention_split_tokens;
-  return heads * S + heads * head_dim + heads + heads * value_groups * S + heads * value_groups +
-         2 * head_dim * attention_block_tokens + heads * head_dim + 8 * 16;
+  return heads * S + 2 * heads * head_dim + 2 * heads + heads * value_groups * S +
+         heads * value_groups + 2 * head_dim * attention_block_tokens + heads * head_dim + 8 * 16;
 }
 
 inline split_scratch carve_scratch(float* base, std::int64_t heads, std::int64_t head_dim,
@@ -180,8 +180,8 @@ inline split_scratch carve_scratch(float* base, std::int64_t heads, std::int64_t
   split_scratch s;
   s.scores = align(base);
   s.qs = align(s.scores + heads * S);
-  s.bias = align(s.qs + heads * head_dim);
-  s.weights = align(s.bias + heads);
+  s.bias = align(s.qs + 2 * heads * head_dim);
+  s.weights = align(s.bias + 2 * heads);
   s.offsets = align(s.weights + heads * value_groups * S);
   s.tile = align(s.offsets + heads * value_groups);
   s.queries = align(s.tile + 2 * head_dim * attention_block_tokens);
@@ -395,6 +395,41 @@ LYNX_ATTENTION_AVX512_TARGET inline float fold_query_avx512(const float* q, cons
   for (int w = 8; w >= 1; w /= 2)
     for (int l = 0; l < w; ++l) x[l] += x[l + w];
   return x[0];
+}
+
+/// fold_query_avx512 for `heads` queries q[h][D] against one key group: the
+/// group's scale * unit and scale * half + zero are computed once for all heads,
+/// each head's lanes fold by the same halving tree, in registers.
+LYNX_ATTENTION_AVX512_TARGET inline void fold_queries_avx512(const float* q, int heads,
+                                                             const float* scale, const float* zero,
+                                                             int D, float unit, float half,
+                                                             float* qs, float* bias) {
+  const __m512 u = _mm512_set1_ps(unit), hv = _mm512_set1_ps(half);
+  for (int h0 = 0; h0 < heads; h0 += 8) {
+    const int hn = heads - h0 < 8 ? heads - h0 : 8;
+    __m512 lane[8];
+    for (int h = 0; h < hn; ++h) lane[h] = _mm512_setzero_ps();
+    for (int c = 0; c < D; c += 16) {
+      const __mmask16 k = D - c >= 16 ? static_cast<__mmask16>(0xFFFF)
+                                      : static_cast<__mmask16>((1u << (D - c)) - 1u);
+      const __m512 sc = _mm512_maskz_loadu_ps(k, scale + c);
+      const __m512 su = _mm512_mul_ps(sc, u),
+                   off = _mm512_fmadd_ps(sc, hv, _mm512_maskz_loadu_ps(k, zero + c));
+      for (int h = 0; h < hn; ++h) {
+        const __m512 qv = _mm512_maskz_loadu_ps(k, q + (h0 + h) * D + c);
+        _mm512_mask_storeu_ps(qs + (h0 + h) * D + c, k, _mm512_mul_ps(qv, su));
+        lane[h] = _mm512_mask3_fmadd_ps(qv, off, lane[h], k);
+      }
+    }
+    for (int h = 0; h < hn; ++h) {  // l += l+8, l += l+4, l += l+2, l += l+1
+      __m512 x = lane[h];
+      x = _mm512_add_ps(x, _mm512_shuffle_f32x4(x, x, 0xEE));
+      x = _mm512_add_ps(x, _mm512_shuffle_f32x4(x, x, 0x55));
+      x = _mm512_add_ps(x, _mm512_permute_ps(x, 0xEE));
+      x = _mm512_add_ps(x, _mm512_permute_ps(x, 0x55));
+      bias[h0 + h] = _mm512_cvtss_f32(x);
+    }
+  }
 }
 
 /// Column g of 16 consecutive rows of a [rows][groups] float array (the value
@@ -892,17 +927,24 @@ LYNX_ATTENTION_AVX512_TARGET void score_tokens_avx512(const plane_kv_source<Plan
   const int shift = gfni ? decoded_bits(src.planes) - src.planes : 0;
   const float unit = std::ldexp(src.level_unit(), -shift), half = src.half();
   const std::uint32_t* rows[16];
-  std::int64_t folded_group = -1;
+  // Two folded queries: the next key group's is folded before this block is
+  // scored, so its stores have reached L1 when the block's broadcasts read it.
+  std::int64_t folded[2] = {-1, -1};
+  auto fold = [&](std::int64_t grp) {
+    const int slot = static_cast<int>(grp & 1);
+    if (folded[slot] == grp) return;
+    const std::int64_t base = (kv_head * g.key_token_groups() + grp) * D;
+    fold_queries_avx512(q, heads, src.view.key_scale() + base, src.view.key_zero() + base, D, unit,
+                        half, w.qs + slot * heads * D, w.bias + slot * heads);
+    folded[slot] = grp;
+  };
   for (std::int64_t b = t0 / attention_block_tokens; b * attention_block_tokens < t1; ++b) {
     const std::int64_t tb = b * attention_block_tokens;
     const std::int64_t grp = tb / G;  // G % 32 == 0: one key group per block
-    if (grp != folded_group) {
-      const std::int64_t base = (kv_head * g.key_token_groups() + grp) * D;
-      for (int h = 0; h < heads; ++h)
-        w.bias[h] = fold_query_avx512(q + h * D, src.view.key_scale() + base,
-                                      src.view.key_zero() + base, D, unit, half, w.qs + h * D);
-      folded_group = grp;
-    }
+    fold(grp);
+    if (tb + attention_block_tokens < t1) fold((tb + attention_block_tokens) / G);
+    const float* qs = w.qs + (grp & 1) * heads * D;
+    const float* bias = w.bias + (grp & 1) * heads;
     {  // this split's values (walked after the scores) and the next split's keys, into L2
       const int part = static_cast<int>(b - t0 / attention_block_tokens);
       src.prefetch_split_slice(false, kv_head, t0, t1, part, nb);
@@ -922,32 +964,32 @@ LYNX_ATTENTION_AVX512_TARGET void score_tokens_avx512(const plane_kv_source<Plan
     float* out = w.scores + (tb - t0);
     if (gfni) {  // the GFNI decoder: fused, 8 heads at a time
       for (int h = 0; h < heads; h += 8) {
-        const float* qh = w.qs + h * D;
+        const float* qh = qs + h * D;
         float* o = out + h * attention_split_tokens;
         switch (std::min(8, heads - h)) {
           case 1:
-            score_block_fused_gfni<1>(rows, src.planes, D, qh, w.bias + h, o);
+            score_block_fused_gfni<1>(rows, src.planes, D, qh, bias + h, o);
             break;
           case 2:
-            score_block_fused_gfni<2>(rows, src.planes, D, qh, w.bias + h, o);
+            score_block_fused_gfni<2>(rows, src.planes, D, qh, bias + h, o);
             break;
           case 3:
-            score_block_fused_gfni<3>(rows, src.planes, D, qh, w.bias + h, o);
+            score_block_fused_gfni<3>(rows, src.planes, D, qh, bias + h, o);
             break;
           case 4:
-            score_block_fused_gfni<4>(rows, src.planes, D, qh, w.bias + h, o);
+            score_block_fused_gfni<4>(rows, src.planes, D, qh, bias + h, o);
             break;
           case 5:
-            score_block_fused_gfni<5>(rows, src.planes, D, qh, w.bias + h, o);
+            score_block_fused_gfni<5>(rows, src.planes, D, qh, bias + h, o);
             break;
           case 6:
-            score_block_fused_gfni<6>(rows, src.planes, D, qh, w.bias + h, o);
+            score_block_fused_gfni<6>(rows, src.planes, D, qh, bias + h, o);
             break;
           case 7:
-            score_block_fused_gfni<7>(rows, src.planes, D, qh, w.bias + h, o);
+            score_block_fused_gfni<7>(rows, src.planes, D, qh, bias + h, o);
             break;
           default:
-            score_block_fused_gfni<8>(rows, src.planes, D, qh, w.bias + h, o);
+            score_block_fused_gfni<8>(rows, src.planes, D, qh, bias + h, o);
             break;
         }
       }
@@ -956,19 +998,16 @@ LYNX_ATTENTION_AVX512_TARGET void score_tokens_avx512(const plane_kv_source<Plan
     decode_block(rows, src.planes, D, w.tile);
     int h = 0;
     for (; h + 4 <= heads; h += 4)
-      score_block_avx512<4>(w.tile, D, w.qs + h * D, w.bias + h, out + h * attention_split_tokens);
+      score_block_avx512<4>(w.tile, D, qs + h * D, bias + h, out + h * attention_split_tokens);
     switch (heads - h) {
       case 1:
-        score_block_avx512<1>(w.tile, D, w.qs + h * D, w.bias + h,
-                              out + h * attention_split_tokens);
+        score_block_avx512<1>(w.tile, D, qs + h * D, bias + h, out + h * attention_split_tokens);
         break;
       case 2:
-        score_block_avx512<2>(w.tile, D, w.qs + h * D, w.bias + h,
-                              out + h * attention_split_tokens);
+        score_block_avx512<2>(w.tile, D, qs + h * D, bias + h, out + h * attention_split_tokens);
         break;
       case 3:
-        score_block_avx512<3>(w.tile, D, w.qs + h * D, w.bias + h,
-                              out + h * attention_split_tokens);
+        score_block_avx512<3>(w.tile, D, qs + h * D, bias + h, out + h * attention_split_tokens);
         break;
       default:
         break;

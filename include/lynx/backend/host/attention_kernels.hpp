@@ -471,6 +471,50 @@ LYNX_ATTENTION_AVX512_TARGET inline __m512 group_column_avx512(const float* rows
   }
 }
 
+/// value_weights_avx512 for heads [h0, h0 + HN) and groups [g0, g0 + GN) (both whole).
+template <int HN, int GN>
+LYNX_ATTENTION_AVX512_TARGET inline void value_weights_tile_avx512(
+    const float* vs, const float* vz, std::int64_t groups, int h0, std::int64_t g0, std::int64_t t0,
+    std::int64_t n, __m512 u, __m512 hv, __m512i stride, const split_scratch& w) {
+  __m512 lanes[HN][GN];
+  for (int h = 0; h < HN; ++h)
+    for (int k = 0; k < GN; ++k) lanes[h][k] = _mm512_setzero_ps();
+  for (std::int64_t i = 0; i < n; i += 16) {
+    const __mmask16 live =
+        n - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - i)) - 1u);
+    const bool whole = live == static_cast<__mmask16>(0xFFFF);
+    __m512 p[HN];
+    for (int h = 0; h < HN; ++h)
+      p[h] = _mm512_maskz_loadu_ps(live, w.scores + (h0 + h) * attention_split_tokens + i);
+    for (int k = 0; k < GN; ++k) {
+      const std::int64_t grp = g0 + k;
+      const float* base_s = vs + (t0 + i) * groups + grp;
+      const float* base_z = vz + (t0 + i) * groups + grp;
+      const __m512 sc =
+          whole ? group_column_avx512(base_s - grp, groups, grp, stride)
+                : _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, stride, base_s, 4);
+      const __m512 zr =
+          whole ? group_column_avx512(base_z - grp, groups, grp, stride)
+                : _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, stride, base_z, 4);
+      const __m512 su = _mm512_mul_ps(sc, u), off = _mm512_fmadd_ps(sc, hv, zr);
+      for (int h = 0; h < HN; ++h) {
+        _mm512_mask_storeu_ps(w.weights + ((h0 + h) * groups + grp) * attention_split_tokens + i,
+                              live, _mm512_mul_ps(p[h], su));
+        lanes[h][k] = _mm512_mask_add_ps(lanes[h][k], live, lanes[h][k], _mm512_mul_ps(p[h], off));
+      }
+    }
+  }
+  for (int h = 0; h < HN; ++h)
+    for (int k = 0; k < GN; ++k) {  // l += l+8, l += l+4, l += l+2, l += l+1
+      __m512 x = lanes[h][k];
+      x = _mm512_add_ps(x, _mm512_shuffle_f32x4(x, x, 0xEE));
+      x = _mm512_add_ps(x, _mm512_shuffle_f32x4(x, x, 0x55));
+      x = _mm512_add_ps(x, _mm512_permute_ps(x, 0xEE));
+      x = _mm512_add_ps(x, _mm512_permute_ps(x, 0x55));
+      w.offsets[(h0 + h) * groups + g0 + k] = _mm512_cvtss_f32(x);
+    }
+}
+
 /// value_weights_portable, 16 tokens per step (same operations per lane).
 template <stream_plan_type Plan, int G>
 LYNX_ATTENTION_AVX512_TARGET void value_weights_avx512(const plane_kv_source<Plan, G>& src,
@@ -491,47 +535,55 @@ LYNX_ATTENTION_AVX512_TARGET void value_weights_avx512(const plane_kv_source<Pla
       _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                          _mm512_set1_epi32(static_cast<int>(groups)));
   const std::int64_t n = t1 - t0;
+  // 4 heads x 4 groups at a time when the shape allows (the 16 offset lanes stay in registers)
+  const int tile = heads % 4 == 0 && groups % 4 == 0 ? 4 : 8;
   __m512 lanes[8][8];  // [head][group] offset lanes; larger shapes loop below
-  for (int h0 = 0; h0 < heads; h0 += 8)
-    for (std::int64_t g0 = 0; g0 < groups; g0 += 8) {
-      const int hn = std::min(8, heads - h0);
-      const int gn = static_cast<int>(std::min<std::int64_t>(8, groups - g0));
-      for (int h = 0; h < hn; ++h)
-        for (int k = 0; k < gn; ++k) lanes[h][k] = _mm512_setzero_ps();
-      for (std::int64_t i = 0; i < n; i += 16) {
-        const __mmask16 live = n - i >= 16 ? static_cast<__mmask16>(0xFFFF)
-                                           : static_cast<__mmask16>((1u << (n - i)) - 1u);
-        for (int k = 0; k < gn; ++k) {
-          const std::int64_t grp = g0 + k;
-          const float* base_s = vs + (t0 + i) * groups + grp;
-          const float* base_z = vz + (t0 + i) * groups + grp;
-          const bool whole = live == static_cast<__mmask16>(0xFFFF);
-          const __m512 sc =
-              whole ? group_column_avx512(base_s - grp, groups, grp, stride)
-                    : _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, stride, base_s, 4);
-          const __m512 zr =
-              whole ? group_column_avx512(base_z - grp, groups, grp, stride)
-                    : _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, stride, base_z, 4);
-          const __m512 su = _mm512_mul_ps(sc, u), off = _mm512_fmadd_ps(sc, hv, zr);
-          for (int h = 0; h < hn; ++h) {
-            const __m512 p =
-                _mm512_maskz_loadu_ps(live, w.scores + (h0 + h) * attention_split_tokens + i);
-            _mm512_mask_storeu_ps(
-                w.weights + ((h0 + h) * groups + grp) * attention_split_tokens + i, live,
-                _mm512_mul_ps(p, su));
-            lanes[h][k] = _mm512_mask_add_ps(lanes[h][k], live, lanes[h][k], _mm512_mul_ps(p, off));
+  if (tile == 4) {
+    for (int h0 = 0; h0 < heads; h0 += 4)
+      for (std::int64_t g0 = 0; g0 < groups; g0 += 4)
+        value_weights_tile_avx512<4, 4>(vs, vz, groups, h0, g0, t0, n, u, hv, stride, w);
+  } else
+    for (int h0 = 0; h0 < heads; h0 += 8)
+      for (std::int64_t g0 = 0; g0 < groups; g0 += 8) {
+        const int hn = std::min(8, heads - h0);
+        const int gn = static_cast<int>(std::min<std::int64_t>(8, groups - g0));
+        for (int h = 0; h < hn; ++h)
+          for (int k = 0; k < gn; ++k) lanes[h][k] = _mm512_setzero_ps();
+        for (std::int64_t i = 0; i < n; i += 16) {
+          const __mmask16 live = n - i >= 16 ? static_cast<__mmask16>(0xFFFF)
+                                             : static_cast<__mmask16>((1u << (n - i)) - 1u);
+          for (int k = 0; k < gn; ++k) {
+            const std::int64_t grp = g0 + k;
+            const float* base_s = vs + (t0 + i) * groups + grp;
+            const float* base_z = vz + (t0 + i) * groups + grp;
+            const bool whole = live == static_cast<__mmask16>(0xFFFF);
+            const __m512 sc =
+                whole ? group_column_avx512(base_s - grp, groups, grp, stride)
+                      : _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, stride, base_s, 4);
+            const __m512 zr =
+                whole ? group_column_avx512(base_z - grp, groups, grp, stride)
+                      : _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, stride, base_z, 4);
+            const __m512 su = _mm512_mul_ps(sc, u), off = _mm512_fmadd_ps(sc, hv, zr);
+            for (int h = 0; h < hn; ++h) {
+              const __m512 p =
+                  _mm512_maskz_loadu_ps(live, w.scores + (h0 + h) * attention_split_tokens + i);
+              _mm512_mask_storeu_ps(
+                  w.weights + ((h0 + h) * groups + grp) * attention_split_tokens + i, live,
+                  _mm512_mul_ps(p, su));
+              lanes[h][k] =
+                  _mm512_mask_add_ps(lanes[h][k], live, lanes[h][k], _mm512_mul_ps(p, off));
+            }
           }
         }
+        for (int h = 0; h < hn; ++h)
+          for (int k = 0; k < gn; ++k) {
+            alignas(64) float x[16];
+            _mm512_store_ps(x, lanes[h][k]);
+            for (int wdt = 8; wdt >= 1; wdt /= 2)
+              for (int l = 0; l < wdt; ++l) x[l] += x[l + wdt];
+            w.offsets[(h0 + h) * groups + g0 + k] = x[0];
+          }
       }
-      for (int h = 0; h < hn; ++h)
-        for (int k = 0; k < gn; ++k) {
-          alignas(64) float x[16];
-          _mm512_store_ps(x, lanes[h][k]);
-          for (int wdt = 8; wdt >= 1; wdt /= 2)
-            for (int l = 0; l < wdt; ++l) x[l] += x[l + wdt];
-          w.offsets[(h0 + h) * groups + g0 + k] = x[0];
-        }
-    }
   // tokens past t1 in the last block weigh 0 (the kernels walk whole blocks)
   const std::int64_t end =
       (t1 + attention_block_tokens - 1) / attention_block_tokens * attention_block_tokens;

@@ -1275,14 +1275,39 @@ LYNX_ATTENTION_AVX512_TARGET void accumulate_dense_chunk_avx512(const dense_kv_s
         __builtin_prefetch(ahead + off, 0, 3);
     }
     __m512 v[NV];
-    for (int k = 0; k < NV; ++k) v[k] = load16_avx512(row + 16 * k);
+    if constexpr (std::is_same_v<T, bf16> && NV % 2 == 0) {
+      // 32 bf16 per load: the even channels are the low halves shifted up, the
+      // odd ones the high halves masked (v[2j]: channels 32j + 2l, v[2j+1]: 32j + 2l + 1)
+      for (int j = 0; j < NV / 2; ++j) {
+        const __m512i x = _mm512_loadu_si512(row + 32 * j);
+        v[2 * j] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+        v[2 * j + 1] = _mm512_castsi512_ps(
+            _mm512_and_si512(x, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+      }
+    } else {
+      for (int k = 0; k < NV; ++k) v[k] = load16_avx512(row + 16 * k);
+    }
     for (int h = 0; h < HC; ++h) {
       const __m512 ph = _mm512_set1_ps(p[h * attention_split_tokens + (t - t0)]);
       for (int k = 0; k < NV; ++k) a[h][k] = _mm512_fmadd_ps(ph, v[k], a[h][k]);
     }
   }
-  for (int h = 0; h < HC; ++h)
-    for (int k = 0; k < NV; ++k) _mm512_storeu_ps(acc + h * D + c0 + 16 * k, a[h][k]);
+  for (int h = 0; h < HC; ++h) {
+    if constexpr (std::is_same_v<T, bf16> && NV % 2 == 0) {
+      for (int j = 0; j < NV / 2; ++j) {  // back to channel order
+        alignas(64) float e[16], o[16];
+        _mm512_store_ps(e, a[h][2 * j]);
+        _mm512_store_ps(o, a[h][2 * j + 1]);
+        float* out = acc + h * D + c0 + 32 * j;
+        for (int l = 0; l < 16; ++l) {
+          out[2 * l] = e[l];
+          out[2 * l + 1] = o[l];
+        }
+      }
+    } else {
+      for (int k = 0; k < NV; ++k) _mm512_storeu_ps(acc + h * D + c0 + 16 * k, a[h][k]);
+    }
+  }
 }
 
 template <int NV, class T>

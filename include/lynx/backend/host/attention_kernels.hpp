@@ -6,8 +6,9 @@
 // Two paths, chosen at run time: a portable one (plain loops) and an AVX-512
 // one (function-level target attributes, used when the CPU has AVX-512F/BW).
 // Both evaluate the same operations in the same order, lane by lane:
-//  - bit-plane keys: lane = token; score = bias + sum_c qs[c] * code[c] in channel order;
-//  - bit-plane values and dense values: lane = channel; acc += w[t] * v[t] in token order;
+//  - bit-plane keys: lane = token; score = (0 + sum_c qs[c] * code[c] in channel order) + bias;
+//  - bit-plane values and dense values: lane = channel; acc = 0, acc += w[t] * v[t] in token
+//    order (bit-plane values then add the offset);
 //  - dense keys: 16 channel lanes summed in channel order, then a halving tree;
 //  - l = fixed_order_sum(p); p = attention_exp2(s2 - m).
 // so the two paths give the same bits (the tests check it).

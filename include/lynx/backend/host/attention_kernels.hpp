@@ -287,13 +287,25 @@ void accumulate_values_portable(const plane_kv_source<Plan, G>& src, std::int64_
     for (int c = 0; c < D; ++c) acc[h * D + c] += w.offsets[h * groups + c / VG];
 }
 
-/// Dense score in the fixed order: 16 lanes over channels c = l (mod 16), then a halving tree.
+/// Lane of channel c in a dense score: c mod 16 for float keys; for bf16 keys
+/// (c mod 32) / 2, the lane channel c lands in when 32 bf16 are widened per
+/// load as even and odd halves.
+template <class T>
+constexpr int dense_score_lane(int c) {
+  if constexpr (std::is_same_v<T, bf16>)
+    return (c % 32) / 2;
+  else
+    return c % attention_reduction_lanes;
+}
+
+/// Dense score in the fixed order: 16 lanes (dense_score_lane), each summing its
+/// channels in channel order, then a halving tree.
 template <class T>
 float dense_score(const float* q, const T* k, std::int64_t channel_stride, int D) {
   float lane[attention_reduction_lanes] = {};
   for (int c = 0; c < D; ++c)
-    lane[c % attention_reduction_lanes] = detail::fused_multiply_add(
-        q[c], to_float(k[c * channel_stride]), lane[c % attention_reduction_lanes]);
+    lane[dense_score_lane<T>(c)] = detail::fused_multiply_add(q[c], to_float(k[c * channel_stride]),
+                                                              lane[dense_score_lane<T>(c)]);
   for (int wdt = attention_reduction_lanes / 2; wdt >= 1; wdt /= 2)
     for (int l = 0; l < wdt; ++l) lane[l] += lane[l + wdt];
   return lane[0];
@@ -1203,11 +1215,107 @@ LYNX_ATTENTION_AVX512_TARGET inline void score_dense_block_avx512(const float* r
   _mm512_storeu_ps(out, _mm512_permutexvar_ps(perm, fold16_avx512(v)));
 }
 
+/// Scores of HC heads against bf16 keys, 16 / HC tokens per step (16 chains, one
+/// per (token, head), folded together by fold16_avx512): each key row is widened
+/// in registers, 32 channels per load as even and odd halves, and multiplied by
+/// the query permuted the same way (qp: [HC][D], pairs of even/odd vectors).
+/// Lane l of a chain sums channels 32j + 2l, 32j + 2l + 1 in channel order
+/// (dense_score_lane<bf16>). Rows [t, t + 16 / HC) must all exist.
+template <int HC>
+LYNX_ATTENTION_AVX512_TARGET inline void score_bf16_step_avx512(const dense_kv_source<bf16>& src,
+                                                                std::int64_t kv_head,
+                                                                std::int64_t t, const float* qp,
+                                                                int DP, int D, __m512i perm,
+                                                                float* out /*[HC][S] at t*/) {
+  constexpr int TOK = 16 / HC;
+  __m512 a[16];
+  for (int i = 0; i < 16; ++i) a[i] = _mm512_setzero_ps();
+  for (int c = 0; c < D; c += 32) {
+    const int rest = D - c;
+    const __mmask32 live = rest >= 32 ? static_cast<__mmask32>(0xFFFFFFFFu)
+                                      : static_cast<__mmask32>((1u << rest) - 1u);
+    for (int i = 0; i < TOK; ++i) {
+      const bf16* row = &src.keys(t + i, kv_head, c);
+      const __m512i x = rest >= 32 ? _mm512_loadu_si512(row) : _mm512_maskz_loadu_epi16(live, row);
+      const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+      const __m512 odd = _mm512_castsi512_ps(
+          _mm512_and_si512(x, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+      for (int h = 0; h < HC; ++h) {
+        a[i * HC + h] = _mm512_fmadd_ps(_mm512_loadu_ps(qp + h * DP + c), even, a[i * HC + h]);
+        a[i * HC + h] = _mm512_fmadd_ps(_mm512_loadu_ps(qp + h * DP + c + 16), odd, a[i * HC + h]);
+      }
+    }
+  }
+  alignas(64) float r[16];
+  _mm512_store_ps(r, _mm512_permutexvar_ps(perm, fold16_avx512(a)));  // r[i * HC + h]
+  for (int i = 0; i < TOK; ++i)
+    for (int h = 0; h < HC; ++h) out[h * attention_split_tokens + i] = r[i * HC + h];
+}
+
+/// The query of each head with its channels in the order score_bf16_step_avx512
+/// multiplies them: per 32 channels, the 16 even then the 16 odd ones, zeros
+/// past D. qp: [heads][DP], DP = D rounded up to 32.
+inline void permute_query_bf16(const float* q, int heads, int D, int DP, float* qp) {
+  for (int h = 0; h < heads; ++h)
+    for (int c = 0; c < DP; c += 32)
+      for (int l = 0; l < 16; ++l) {
+        qp[h * DP + c + l] = c + 2 * l < D ? q[h * D + c + 2 * l] : 0.0f;
+        qp[h * DP + c + 16 + l] = c + 2 * l + 1 < D ? q[h * D + c + 2 * l + 1] : 0.0f;
+      }
+}
+
+/// Dense bf16 scores of tokens [t0, t1): score_bf16_step_avx512 for whole steps,
+/// dense_score for the last few tokens. The permuted queries live in the value
+/// weight scratch (a dense source has no value weights; it holds heads x S floats).
+LYNX_ATTENTION_AVX512_TARGET inline void score_tokens_bf16_avx512(const dense_kv_source<bf16>& src,
+                                                                  std::int64_t kv_head,
+                                                                  const float* q, int heads,
+                                                                  std::int64_t t0, std::int64_t t1,
+                                                                  const split_scratch& w) {
+  const int D = src.head_dim();
+  const int DP = (D + 31) / 32 * 32;
+  static const __m512i perm = fold16_token_order_avx512();
+  float* qp = w.weights;
+  permute_query_bf16(q, heads, D, DP, qp);
+  int h0 = 0;
+  while (h0 < heads) {
+    const int hc = heads - h0 >= 4 ? 4 : heads - h0 >= 2 ? 2 : 1;
+    const int tok = 16 / hc;
+    std::int64_t t = t0;
+    for (; t + tok <= t1; t += tok) {
+      if (h0 == 0 && t + 32 + tok <= t1) {  // rows are kv_heads * head_dim apart: ask 32 ahead
+        for (int i = 0; i < tok; ++i) {
+          const char* ahead = reinterpret_cast<const char*>(&src.keys(t + 32 + i, kv_head, 0));
+          for (std::size_t off = 0; off < D * sizeof(bf16); off += 64)
+            __builtin_prefetch(ahead + off, 0, 3);
+        }
+      }
+      float* out = w.scores + h0 * attention_split_tokens + (t - t0);
+      const float* qh = qp + h0 * DP;
+      if (hc == 4)
+        score_bf16_step_avx512<4>(src, kv_head, t, qh, DP, D, perm, out);
+      else if (hc == 2)
+        score_bf16_step_avx512<2>(src, kv_head, t, qh, DP, D, perm, out);
+      else
+        score_bf16_step_avx512<1>(src, kv_head, t, qh, DP, D, perm, out);
+    }
+    for (; t < t1; ++t)
+      for (int h = h0; h < h0 + hc; ++h)
+        w.scores[h * attention_split_tokens + (t - t0)] =
+            dense_score(q + h * D, &src.keys(t, kv_head, 0), 1, D);
+    h0 += hc;
+  }
+}
+
 template <class T>
 LYNX_ATTENTION_AVX512_TARGET void score_tokens_avx512(const dense_kv_source<T>& src,
                                                       std::int64_t kv_head, const float* q,
                                                       int heads, std::int64_t t0, std::int64_t t1,
                                                       const split_scratch& w) {
+  if constexpr (std::is_same_v<T, bf16>) {  // avx512_supports: head_dim <= S
+    score_tokens_bf16_avx512(src, kv_head, q, heads, t0, t1, w);
+    return;
+  }
   const int D = src.head_dim();
   static const __m512i perm = fold16_token_order_avx512();
   std::int64_t t = t0;
@@ -1366,7 +1474,10 @@ bool avx512_supports(const plane_kv_source<Plan, G>&) {
 }
 template <class T>
 bool avx512_supports(const dense_kv_source<T>& src) {
-  return src.head_dim() % 16 == 0 && src.keys.channel_stride == 1 && src.values.channel_stride == 1;
+  // bf16 keys: the permuted queries of score_tokens_bf16_avx512 must fit its scratch
+  return src.head_dim() % 16 == 0 && src.keys.channel_stride == 1 &&
+         src.values.channel_stride == 1 &&
+         (!std::is_same_v<T, bf16> || src.head_dim() <= attention_split_tokens);
 }
 
 /// One split of one source for one query and one kv head: partial states of

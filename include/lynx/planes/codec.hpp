@@ -183,7 +183,7 @@ void encode_into(kv_view<const T, host_space> keys, kv_view<const T, host_space>
             std::int64_t segment_total = 0;
             for (int st = 0; st < Plan::streams; ++st)
               segment_total += static_cast<std::int64_t>(out[static_cast<std::size_t>(st)].size());
-            scratch.stream = segment_total >= detail::simd::stream_store_min_bytes;
+            scratch.stream = segment_total >= detail::simd::encode_stream_min_bytes;
             for (std::int64_t i = i0; i < i1; ++i) {
               const std::int64_t h = i % g.kv_heads, u0 = (i / g.kv_heads) * unit,
                                  u1 = std::min<std::int64_t>(u0 + unit, g.tokens);

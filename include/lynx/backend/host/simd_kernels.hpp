@@ -262,6 +262,14 @@ LYNX_ALWAYS_INLINE __m512 reduce16(__m512 (&m)[16]) {
 #endif
 inline constexpr std::int64_t stream_store_min_bytes = LYNX_STREAM_MIN_BYTES;
 
+/// The same for the plane words of encoded segments (all streams of a layer together):
+/// the encoder never reads them back, and streaming them spares the read of every
+/// line before it is written, which costs more than the checksum pass then loses.
+#ifndef LYNX_ENCODE_STREAM_MIN_BYTES
+#define LYNX_ENCODE_STREAM_MIN_BYTES (std::int64_t{4} << 20)
+#endif
+inline constexpr std::int64_t encode_stream_min_bytes = LYNX_ENCODE_STREAM_MIN_BYTES;
+
 // ---------------------------------------------------------------------------
 // Encode.
 

@@ -484,11 +484,12 @@ LYNX_ATTENTION_AVX512_TARGET inline __m512 group_column_avx512(const float* rows
   }
 }
 
-/// value_weights_avx512 for heads [h0, h0 + HN) and groups [g0, g0 + GN) (both whole).
+/// value_weights_avx512 for heads [h0, h0 + hn) and groups [g0, g0 + gn), hn <= HN, gn <= GN
+/// (constants where the caller passes constants, so the lanes stay in registers).
 template <int HN, int GN>
 LYNX_ATTENTION_AVX512_TARGET inline void value_weights_tile_avx512(
-    const float* vs, const float* vz, std::int64_t groups, int h0, std::int64_t g0, std::int64_t t0,
-    std::int64_t n, __m512 u, __m512 hv, __m512i stride, const split_scratch& w) {
+    const float* vs, const float* vz, std::int64_t groups, int h0, int hn, std::int64_t g0, int gn,
+    std::int64_t t0, std::int64_t n, __m512 u, __m512 hv, __m512i stride, const split_scratch& w) {
   __m512 lanes[HN][GN];
   for (int h = 0; h < HN; ++h)
     for (int k = 0; k < GN; ++k) lanes[h][k] = _mm512_setzero_ps();
@@ -497,9 +498,9 @@ LYNX_ATTENTION_AVX512_TARGET inline void value_weights_tile_avx512(
         n - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - i)) - 1u);
     const bool whole = live == static_cast<__mmask16>(0xFFFF);
     __m512 p[HN];
-    for (int h = 0; h < HN; ++h)
+    for (int h = 0; h < hn; ++h)
       p[h] = _mm512_maskz_loadu_ps(live, w.scores + (h0 + h) * attention_split_tokens + i);
-    for (int k = 0; k < GN; ++k) {
+    for (int k = 0; k < gn; ++k) {
       const std::int64_t grp = g0 + k;
       const float* base_s = vs + (t0 + i) * groups + grp;
       const float* base_z = vz + (t0 + i) * groups + grp;
@@ -510,15 +511,15 @@ LYNX_ATTENTION_AVX512_TARGET inline void value_weights_tile_avx512(
           whole ? group_column_avx512(base_z - grp, groups, grp, stride)
                 : _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, stride, base_z, 4);
       const __m512 su = _mm512_mul_ps(sc, u), off = _mm512_fmadd_ps(sc, hv, zr);
-      for (int h = 0; h < HN; ++h) {
+      for (int h = 0; h < hn; ++h) {
         _mm512_mask_storeu_ps(w.weights + ((h0 + h) * groups + grp) * attention_split_tokens + i,
                               live, _mm512_mul_ps(p[h], su));
         lanes[h][k] = _mm512_mask_add_ps(lanes[h][k], live, lanes[h][k], _mm512_mul_ps(p[h], off));
       }
     }
   }
-  for (int h = 0; h < HN; ++h)
-    for (int k = 0; k < GN; ++k) {  // l += l+8, l += l+4, l += l+2, l += l+1
+  for (int h = 0; h < hn; ++h)
+    for (int k = 0; k < gn; ++k) {  // l += l+8, l += l+4, l += l+2, l += l+1
       __m512 x = lanes[h][k];
       x = _mm512_add_ps(x, _mm512_shuffle_f32x4(x, x, 0xEE));
       x = _mm512_add_ps(x, _mm512_shuffle_f32x4(x, x, 0x55));
@@ -548,55 +549,19 @@ LYNX_ATTENTION_AVX512_TARGET void value_weights_avx512(const plane_kv_source<Pla
       _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                          _mm512_set1_epi32(static_cast<int>(groups)));
   const std::int64_t n = t1 - t0;
-  // 4 heads x 4 groups at a time when the shape allows (the 16 offset lanes stay in registers)
-  const int tile = heads % 4 == 0 && groups % 4 == 0 ? 4 : 8;
-  __m512 lanes[8][8];  // [head][group] offset lanes; larger shapes loop below
-  if (tile == 4) {
+  // 4 heads x 4 groups at a time when the shape allows (the 16 offset lanes stay in
+  // registers), else up to 8 x 8
+  if (heads % 4 == 0 && groups % 4 == 0) {
     for (int h0 = 0; h0 < heads; h0 += 4)
       for (std::int64_t g0 = 0; g0 < groups; g0 += 4)
-        value_weights_tile_avx512<4, 4>(vs, vz, groups, h0, g0, t0, n, u, hv, stride, w);
-  } else
+        value_weights_tile_avx512<4, 4>(vs, vz, groups, h0, 4, g0, 4, t0, n, u, hv, stride, w);
+  } else {
     for (int h0 = 0; h0 < heads; h0 += 8)
-      for (std::int64_t g0 = 0; g0 < groups; g0 += 8) {
-        const int hn = std::min(8, heads - h0);
-        const int gn = static_cast<int>(std::min<std::int64_t>(8, groups - g0));
-        for (int h = 0; h < hn; ++h)
-          for (int k = 0; k < gn; ++k) lanes[h][k] = _mm512_setzero_ps();
-        for (std::int64_t i = 0; i < n; i += 16) {
-          const __mmask16 live = n - i >= 16 ? static_cast<__mmask16>(0xFFFF)
-                                             : static_cast<__mmask16>((1u << (n - i)) - 1u);
-          for (int k = 0; k < gn; ++k) {
-            const std::int64_t grp = g0 + k;
-            const float* base_s = vs + (t0 + i) * groups + grp;
-            const float* base_z = vz + (t0 + i) * groups + grp;
-            const bool whole = live == static_cast<__mmask16>(0xFFFF);
-            const __m512 sc =
-                whole ? group_column_avx512(base_s - grp, groups, grp, stride)
-                      : _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, stride, base_s, 4);
-            const __m512 zr =
-                whole ? group_column_avx512(base_z - grp, groups, grp, stride)
-                      : _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, stride, base_z, 4);
-            const __m512 su = _mm512_mul_ps(sc, u), off = _mm512_fmadd_ps(sc, hv, zr);
-            for (int h = 0; h < hn; ++h) {
-              const __m512 p =
-                  _mm512_maskz_loadu_ps(live, w.scores + (h0 + h) * attention_split_tokens + i);
-              _mm512_mask_storeu_ps(
-                  w.weights + ((h0 + h) * groups + grp) * attention_split_tokens + i, live,
-                  _mm512_mul_ps(p, su));
-              lanes[h][k] =
-                  _mm512_mask_add_ps(lanes[h][k], live, lanes[h][k], _mm512_mul_ps(p, off));
-            }
-          }
-        }
-        for (int h = 0; h < hn; ++h)
-          for (int k = 0; k < gn; ++k) {
-            alignas(64) float x[16];
-            _mm512_store_ps(x, lanes[h][k]);
-            for (int wdt = 8; wdt >= 1; wdt /= 2)
-              for (int l = 0; l < wdt; ++l) x[l] += x[l + wdt];
-            w.offsets[(h0 + h) * groups + g0 + k] = x[0];
-          }
-      }
+      for (std::int64_t g0 = 0; g0 < groups; g0 += 8)
+        value_weights_tile_avx512<8, 8>(vs, vz, groups, h0, std::min(8, heads - h0), g0,
+                                        static_cast<int>(std::min<std::int64_t>(8, groups - g0)),
+                                        t0, n, u, hv, stride, w);
+  }
   // tokens past t1 in the last block weigh 0 (the kernels walk whole blocks)
   const std::int64_t end =
       (t1 + attention_block_tokens - 1) / attention_block_tokens * attention_block_tokens;
@@ -674,6 +639,24 @@ LYNX_ATTENTION_AVX512_TARGET inline void decode_key_block_avx512(const std::uint
 #define LYNX_ATTENTION_GFNI_TARGET \
   __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vbmi,gfni,fma")))
 
+/// The first two levels of an 8-register byte transpose: b[p][h][s] interleaves,
+/// within each 128-bit lane, the bytes of registers 4p..4p+3 (h: bytes 0-7 or
+/// 8-15 of the lane; s: the low or high half of those), 4 bytes (one per
+/// register) per dword.
+LYNX_ATTENTION_GFNI_TARGET __attribute__((always_inline)) inline void interleave_bytes_of_8(
+    const __m512i x[8], __m512i b[2][2][2]) {
+  __m512i a[4][2];
+  for (int p = 0; p < 4; ++p) {
+    a[p][0] = _mm512_unpacklo_epi8(x[2 * p], x[2 * p + 1]);
+    a[p][1] = _mm512_unpackhi_epi8(x[2 * p], x[2 * p + 1]);
+  }
+  for (int p = 0; p < 2; ++p)
+    for (int h = 0; h < 2; ++h) {
+      b[p][h][0] = _mm512_unpacklo_epi16(a[2 * p][h], a[2 * p + 1][h]);
+      b[p][h][1] = _mm512_unpackhi_epi16(a[2 * p][h], a[2 * p + 1][h]);
+    }
+}
+
 /// Codes of one 32-token block, 16 channels at a time, by bit-matrix transposes:
 /// the plane words of 16 channels (one zmm per plane) are byte-transposed so each
 /// qword holds one byte (8 tokens) of 8 planes; GF2P8AFFINEQB transposes each
@@ -692,16 +675,8 @@ LYNX_ATTENTION_GFNI_TARGET __attribute__((always_inline)) inline void transpose_
     wv[j] = j >= count       ? _mm512_setzero_si512()
             : channels >= 16 ? _mm512_loadu_si512(rows[first + j] + c0)
                              : _mm512_maskz_loadu_epi32(live, rows[first + j] + c0);
-  __m512i a[4][2], bq[2][2][2];
-  for (int p = 0; p < 4; ++p) {
-    a[p][0] = _mm512_unpacklo_epi8(wv[2 * p], wv[2 * p + 1]);
-    a[p][1] = _mm512_unpackhi_epi8(wv[2 * p], wv[2 * p + 1]);
-  }
-  for (int q = 0; q < 2; ++q)
-    for (int s1 = 0; s1 < 2; ++s1) {
-      bq[q][s1][0] = _mm512_unpacklo_epi16(a[2 * q][s1], a[2 * q + 1][s1]);
-      bq[q][s1][1] = _mm512_unpackhi_epi16(a[2 * q][s1], a[2 * q + 1][s1]);
-    }
+  __m512i bq[2][2][2];
+  interleave_bytes_of_8(wv, bq);
   const __m512i tokens = _mm512_set1_epi64(static_cast<long long>(0x8040201008040201ull));
   for (int s1 = 0; s1 < 2; ++s1)
     for (int s2 = 0; s2 < 2; ++s2) {
@@ -853,16 +828,8 @@ LYNX_ATTENTION_GFNI_INLINE void token_major_codes_gfni(const std::uint32_t* cons
                                       : _mm512_maskz_loadu_epi32(live, rows[first + j] + c0);
     y[j] = _mm512_gf2p8affine_epi64_epi8(tr, _mm512_permutexvar_epi8(gather, wv), 0);
   }
-  __m512i a[4][2], b[2][2][2];
-  for (int p = 0; p < 4; ++p) {
-    a[p][0] = _mm512_unpacklo_epi8(y[2 * p], y[2 * p + 1]);
-    a[p][1] = _mm512_unpackhi_epi8(y[2 * p], y[2 * p + 1]);
-  }
-  for (int p = 0; p < 2; ++p)
-    for (int h = 0; h < 2; ++h) {
-      b[p][h][0] = _mm512_unpacklo_epi16(a[2 * p][h], a[2 * p + 1][h]);
-      b[p][h][1] = _mm512_unpackhi_epi16(a[2 * p][h], a[2 * p + 1][h]);
-    }
+  __m512i b[2][2][2];
+  interleave_bytes_of_8(y, b);
   for (int s2 = 0; s2 < 2; ++s2)
     for (int u = 0; u < 2; ++u) {
       __m512i z[2];

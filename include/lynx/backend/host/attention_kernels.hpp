@@ -21,6 +21,7 @@
 
 #include "lynx/attention/tile_math.hpp"
 #include "lynx/core/config.hpp"
+#include "lynx/core/dispatch.hpp"
 #include "lynx/core/types.hpp"
 #include "lynx/core/view.hpp"
 #include "lynx/planes/layout.hpp"
@@ -49,6 +50,9 @@ inline bool host_has_avx512() {
   return false;
 #endif
 }
+
+/// Bits of the integers the GFNI decoders give for P planes: prefix << (decoded_bits(P) - P).
+inline int decoded_bits(int planes) { return planes > 8 ? 16 : 8; }
 
 /// True when this CPU also runs the GFNI bit-plane decoders (GFNI + AVX512-VBMI).
 inline bool host_has_gfni() {
@@ -158,7 +162,7 @@ struct split_scratch {
   float* bias;     // [2][heads]
   float* weights;  // [heads][value groups][S]: value weights of the split
   float* offsets;  // [heads][value groups]
-  float* tile;     // [2][head_dim][32]: codes of two blocks, lane = token
+  float* tile;     // [head_dim][32]: codes of one block, lane = token (or 16 float key rows)
   float* queries;  // [heads][head_dim]: the group's queries times the softmax scale
 };
 
@@ -168,7 +172,7 @@ inline std::int64_t split_scratch_floats(std::int64_t heads, std::int64_t head_d
                                          std::int64_t value_groups) {
   const std::int64_t S = attention_split_tokens;
   return heads * S + 2 * heads * head_dim + 2 * heads + heads * value_groups * S +
-         heads * value_groups + 2 * head_dim * attention_block_tokens + heads * head_dim + 8 * 16;
+         heads * value_groups + head_dim * attention_block_tokens + heads * head_dim + 8 * 16;
 }
 
 inline split_scratch carve_scratch(float* base, std::int64_t heads, std::int64_t head_dim,
@@ -185,7 +189,7 @@ inline split_scratch carve_scratch(float* base, std::int64_t heads, std::int64_t
   s.weights = align(s.bias + 2 * heads);
   s.offsets = align(s.weights + heads * value_groups * S);
   s.tile = align(s.offsets + heads * value_groups);
-  s.queries = align(s.tile + 2 * head_dim * attention_block_tokens);
+  s.queries = align(s.tile + head_dim * attention_block_tokens);
   return s;
 }
 
@@ -540,7 +544,7 @@ LYNX_ATTENTION_AVX512_TARGET void value_weights_avx512(const plane_kv_source<Pla
   // the GFNI value kernels multiply by prefix << (decoded_bits - P): the weights
   // carry 2^-(decoded_bits - P) (exact, a power of two)
   const int shift =
-      host_has_gfni() && g.value_group % 16 == 0 ? (src.planes > 8 ? 16 : 8) - src.planes : 0;
+      host_has_gfni() && g.value_group % 16 == 0 ? decoded_bits(src.planes) - src.planes : 0;
   const __m512 u = _mm512_set1_ps(std::ldexp(src.level_unit(), -shift)),
                hv = _mm512_set1_ps(src.half());
   const float* vs = src.view.value_scale() + kv_head * g.tokens * groups;
@@ -662,7 +666,6 @@ LYNX_ATTENTION_GFNI_TARGET __attribute__((always_inline)) inline void interleave
 /// qword holds one byte (8 tokens) of 8 planes; GF2P8AFFINEQB transposes each
 /// 8x8 bit matrix, giving one byte per token with plane 0 in the top bit
 /// (= prefix << (8 - planes) for up to 8 planes). Planes 8..15 make a low byte.
-/// tile[c][32] receives float(prefix << (decoded_bits - P)), decoded_bits = 8 or 16.
 /// `channels` (1..16) of the 16 are read (head_dims that are not multiples of 16):
 /// the others transpose as zero words and their codes are never used.
 LYNX_ATTENTION_GFNI_TARGET __attribute__((always_inline)) inline void transpose_planes_gfni(
@@ -687,32 +690,6 @@ LYNX_ATTENTION_GFNI_TARGET __attribute__((always_inline)) inline void transpose_
       out[s1][s2][1] = _mm512_gf2p8affine_epi64_epi8(
           tokens, _mm512_unpackhi_epi32(bq[0][s1][s2], bq[1][s1][s2]), 0);
     }
-}
-
-LYNX_ATTENTION_GFNI_TARGET inline void decode_block_gfni(const std::uint32_t* const* rows,
-                                                         int planes, int D, float* tile) {
-  __m512i zext[4];
-  for (int L = 0; L < 4; ++L) {
-    alignas(64) std::uint8_t idx[64];
-    for (int i = 0; i < 64; ++i) idx[i] = static_cast<std::uint8_t>(16 * L + i / 4);
-    zext[L] = _mm512_load_si512(idx);
-  }
-  const __mmask64 low_bytes = 0x1111111111111111ull;
-  for (int c0 = 0; c0 < D; c0 += 16) {
-    __m512i hi[2][2][2], lo[2][2][2];
-    transpose_planes_gfni(rows, 0, planes < 8 ? planes : 8, c0, 16, hi);
-    if (planes > 8) transpose_planes_gfni(rows, 8, planes - 8, c0, 16, lo);
-    for (int L = 0; L < 4; ++L)
-      for (int m = 0; m < 4; ++m)
-        for (int s3 = 0; s3 < 2; ++s3) {
-          __m512i code = _mm512_maskz_permutexvar_epi8(low_bytes, zext[L], hi[m >> 1][m & 1][s3]);
-          if (planes > 8)
-            code = _mm512_or_si512(
-                _mm512_slli_epi32(code, 8),
-                _mm512_maskz_permutexvar_epi8(low_bytes, zext[L], lo[m >> 1][m & 1][s3]));
-          _mm512_store_ps(tile + (c0 + 4 * L + m) * 32 + 16 * s3, _mm512_cvtepi32_ps(code));
-        }
-  }
 }
 
 #define LYNX_ATTENTION_GFNI_INLINE LYNX_ATTENTION_GFNI_TARGET __attribute__((always_inline)) inline
@@ -906,21 +883,6 @@ LYNX_ATTENTION_GFNI_TARGET void add_values_token_major_gfni(
     }
 }
 
-/// Bits of the integers decode_block writes: prefix << (decoded_bits(P) - P).
-inline int decoded_bits(int planes) { return planes > 8 ? 16 : 8; }
-
-/// Codes of one block into tile[c][32]: the GFNI transposer where the CPU has
-/// it (then values are prefix << (decoded_bits - P)), else rotations (prefix).
-LYNX_ATTENTION_AVX512_TARGET inline int decode_block(const std::uint32_t* const* rows, int planes,
-                                                     int D, float* tile) {
-  if (host_has_gfni() && D % 16 == 0) {
-    decode_block_gfni(rows, planes, D, tile);
-    return decoded_bits(planes) - planes;
-  }
-  decode_key_block_avx512(rows, planes, D, tile);
-  return 0;
-}
-
 /// scores of up to 4 heads against one decoded key block: s = bias + sum_c qs[c] * code[c], channel
 /// order.
 template <int HC>
@@ -995,55 +957,18 @@ LYNX_ATTENTION_AVX512_TARGET void score_tokens_avx512(const plane_kv_source<Plan
     src.block_rows(true, kv_head, b, rows);
     float* out = w.scores + (tb - t0);
     if (gfni) {  // the GFNI decoder: fused, 8 heads at a time
-      for (int h = 0; h < heads; h += 8) {
-        const float* qh = qs + h * D;
-        float* o = out + h * attention_split_tokens;
-        switch (std::min(8, heads - h)) {
-          case 1:
-            score_block_fused_gfni<1>(rows, src.planes, D, qh, bias + h, o);
-            break;
-          case 2:
-            score_block_fused_gfni<2>(rows, src.planes, D, qh, bias + h, o);
-            break;
-          case 3:
-            score_block_fused_gfni<3>(rows, src.planes, D, qh, bias + h, o);
-            break;
-          case 4:
-            score_block_fused_gfni<4>(rows, src.planes, D, qh, bias + h, o);
-            break;
-          case 5:
-            score_block_fused_gfni<5>(rows, src.planes, D, qh, bias + h, o);
-            break;
-          case 6:
-            score_block_fused_gfni<6>(rows, src.planes, D, qh, bias + h, o);
-            break;
-          case 7:
-            score_block_fused_gfni<7>(rows, src.planes, D, qh, bias + h, o);
-            break;
-          default:
-            score_block_fused_gfni<8>(rows, src.planes, D, qh, bias + h, o);
-            break;
-        }
-      }
+      for (int h = 0; h < heads; h += 8)
+        dispatch<1, 2, 3, 4, 5, 6, 7, 8>(std::min(8, heads - h), [&]<int HC>() {
+          score_block_fused_gfni<HC>(rows, src.planes, D, qs + h * D, bias + h,
+                                     out + h * attention_split_tokens);
+        });
       continue;
     }
-    decode_block(rows, src.planes, D, w.tile);
-    int h = 0;
-    for (; h + 4 <= heads; h += 4)
-      score_block_avx512<4>(w.tile, D, qs + h * D, bias + h, out + h * attention_split_tokens);
-    switch (heads - h) {
-      case 1:
-        score_block_avx512<1>(w.tile, D, qs + h * D, bias + h, out + h * attention_split_tokens);
-        break;
-      case 2:
-        score_block_avx512<2>(w.tile, D, qs + h * D, bias + h, out + h * attention_split_tokens);
-        break;
-      case 3:
-        score_block_avx512<3>(w.tile, D, qs + h * D, bias + h, out + h * attention_split_tokens);
-        break;
-      default:
-        break;
-    }
+    decode_key_block_avx512(rows, src.planes, D, w.tile);  // codes = prefix (shift 0)
+    for (int h = 0; h < heads; h += 4)
+      dispatch<1, 2, 3, 4>(std::min(4, heads - h), [&]<int HC>() {
+        score_block_avx512<HC>(w.tile, D, qs + h * D, bias + h, out + h * attention_split_tokens);
+      });
   }
 }
 
@@ -1077,43 +1002,30 @@ LYNX_ATTENTION_AVX512_TARGET void accumulate_values_avx512(const plane_kv_source
   const float* wts = w.weights + (b0 * attention_block_tokens - t0);
   const bool two = src.planes > 8;
   for (int h0 = 0; h0 < heads;) {
+    // 4, 2 or 1 heads at a time, with 32 (4 heads) or 64 channels per pass where the head_dim
+    // allows (at least 8 independent sums), else 16
     const int hc = heads - h0 >= 4 ? 4 : heads - h0 >= 2 ? 2 : 1;
     const float* wh = wts + h0 * groups * attention_split_tokens;
     float* ah = acc + h0 * D;
-    for (int c0 = 0; c0 < D;) {
-      const int rest = D - c0;
-#define LYNX_VALUES(HC, NC)                                                                      \
-  (two ? add_values_token_major_gfni<HC, NC, true>(rows, stride, nblocks, src.planes, c0, rest,  \
-                                                   VG, wh, groups, D, ah)                        \
-       : add_values_token_major_gfni<HC, NC, false>(rows, stride, nblocks, src.planes, c0, rest, \
-                                                    VG, wh, groups, D, ah))
-      if (hc == 4) {
-        if (rest >= 32) {
-          LYNX_VALUES(4, 2);
-          c0 += 32;
-        } else {
-          LYNX_VALUES(4, 1);
-          c0 += 16;
-        }
-      } else if (hc == 2) {
-        if (rest >= 64) {
-          LYNX_VALUES(2, 4);
-          c0 += 64;
-        } else {
-          LYNX_VALUES(2, 1);
-          c0 += 16;
-        }
-      } else {
-        if (rest >= 64) {
-          LYNX_VALUES(1, 4);
-          c0 += 64;
-        } else {
-          LYNX_VALUES(1, 1);
-          c0 += 16;
-        }
+    dispatch<1, 2, 4>(hc, [&]<int HC>() {
+      constexpr int NC = HC == 4 ? 2 : 4;
+      for (int c0 = 0; c0 < D;) {
+        const int rest = D - c0;
+        auto pass = [&]<int N>() {
+          if (two)
+            add_values_token_major_gfni<HC, N, true>(rows, stride, nblocks, src.planes, c0, rest,
+                                                     VG, wh, groups, D, ah);
+          else
+            add_values_token_major_gfni<HC, N, false>(rows, stride, nblocks, src.planes, c0, rest,
+                                                      VG, wh, groups, D, ah);
+          c0 += 16 * N;
+        };
+        if (rest >= 16 * NC)
+          pass.template operator()<NC>();
+        else
+          pass.template operator()<1>();
       }
-#undef LYNX_VALUES
-    }
+    });
     h0 += hc;
   }
   for (int h = 0; h < heads; ++h)
@@ -1395,20 +1307,9 @@ LYNX_ATTENTION_AVX512_TARGET void accumulate_dense_avx512(const dense_kv_source<
   for (int h = 0; h < heads; h += 4) {
     const float* p = w.scores + h * attention_split_tokens;
     for (int c0 = 0; c0 < D; c0 += 16 * NV) {
-      switch (std::min(4, heads - h)) {
-        case 1:
-          accumulate_dense_chunk_avx512<1, NV>(src, kv_head, t0, t1, c0, p, acc + h * D, D);
-          break;
-        case 2:
-          accumulate_dense_chunk_avx512<2, NV>(src, kv_head, t0, t1, c0, p, acc + h * D, D);
-          break;
-        case 3:
-          accumulate_dense_chunk_avx512<3, NV>(src, kv_head, t0, t1, c0, p, acc + h * D, D);
-          break;
-        default:
-          accumulate_dense_chunk_avx512<4, NV>(src, kv_head, t0, t1, c0, p, acc + h * D, D);
-          break;
-      }
+      dispatch<1, 2, 3, 4>(std::min(4, heads - h), [&]<int HC>() {
+        accumulate_dense_chunk_avx512<HC, NV>(src, kv_head, t0, t1, c0, p, acc + h * D, D);
+      });
     }
   }
 }

@@ -211,6 +211,34 @@ LYNX_ALWAYS_INLINE void group_params16(__m512 lo, __m512 hi, __m512& scale, __m5
 }
 
 // Accumulates NaN when x holds a NaN or an infinity (x * 0 is then NaN).
+/// Group minima lo and maxima hi of 16 groups where one is a zero: which zero
+/// (+0 or -0) the portable loop keeps depends on the order of its comparisons, so
+/// the lanes of `live` with a zero extreme are recomputed by that loop over
+/// elem(lane, c), c = 0 .. n-1.
+template <class Elem>
+inline void redo_zero_extremes(__m512& lo, __m512& hi, __mmask16 live, int n, Elem&& elem) {
+  const __mmask16 zeros = (_mm512_cmp_ps_mask(lo, _mm512_setzero_ps(), _CMP_EQ_OQ) |
+                           _mm512_cmp_ps_mask(hi, _mm512_setzero_ps(), _CMP_EQ_OQ)) &
+                          live;
+  if (!zeros) return;
+  alignas(64) float l[16], u[16];
+  _mm512_store_ps(l, lo);
+  _mm512_store_ps(u, hi);
+  for (int lane = 0; lane < 16; ++lane)
+    if (zeros >> lane & 1) {
+      float a = elem(lane, 0), m = a;
+      for (int c = 0; c < n; ++c) {
+        const float e = elem(lane, c);
+        a = e < a ? e : a;
+        m = e > m ? e : m;
+      }
+      l[lane] = a;
+      u[lane] = m;
+    }
+  lo = _mm512_load_ps(l);
+  hi = _mm512_load_ps(u);
+}
+
 LYNX_ALWAYS_INLINE __m512 track_non_finite(__m512 acc, __m512 x) {
   return _mm512_fmadd_ps(x, _mm512_setzero_ps(), acc);
 }
@@ -796,26 +824,9 @@ void encode_bf16_block(const kv_view<const bf16, host_space>& keys,
     for (int u = 0; u < 2; ++u) {
       const int f = 2 * tree + u;  // parameters 16 f.. : tokens 4 f + lane / 4, slice lane % 4
       __m512 lo = u ? bf16_odd(mn) : bf16_even(mn), hi = u ? bf16_odd(mx) : bf16_even(mx);
-      if (const __mmask16 zeros = _mm512_cmp_ps_mask(lo, _mm512_setzero_ps(), _CMP_EQ_OQ) |
-                                  _mm512_cmp_ps_mask(hi, _mm512_setzero_ps(), _CMP_EQ_OQ)) {
-        alignas(64) float l[16], z[16];
-        _mm512_store_ps(l, lo);
-        _mm512_store_ps(z, hi);
-        for (int lane = 0; lane < 16; ++lane)
-          if (zeros >> lane & 1) {
-            const bf16* x = vbase + (4 * f + lane / 4) * vs + 32 * (lane % 4);
-            float a = to_float(x[0]), m = a;
-            for (int c = 0; c < 32; ++c) {
-              const float e = to_float(x[c]);
-              a = e < a ? e : a;
-              m = e > m ? e : m;
-            }
-            l[lane] = a;
-            z[lane] = m;
-          }
-        lo = _mm512_load_ps(l);
-        hi = _mm512_load_ps(z);
-      }
+      redo_zero_extremes(lo, hi, 0xFFFF, 32, [&](int lane, int c) {
+        return to_float(vbase[(4 * f + lane / 4) * vs + 32 * (lane % 4) + c]);
+      });
       __m512 scale, inv;
       group_params16<8>(lo, hi, scale, inv, bad_range);
       _mm512_storeu_ps(value_scale + 16 * f, scale);
@@ -988,28 +999,11 @@ void encode_unit(const kv_view<const T, host_space>& keys,
       }
       non_finite = _mm512_add_ps(non_finite, nf);
       // A zero minimum or maximum: which zero the portable loop keeps depends on order.
-      __mmask16 zeros = _mm512_cmp_ps_mask(l, _mm512_setzero_ps(), _CMP_EQ_OQ) |
-                        _mm512_cmp_ps_mask(u, _mm512_setzero_ps(), _CMP_EQ_OQ);
-      zeros &= static_cast<__mmask16>((1u << batch) - 1u);
-      if (zeros) {
-        alignas(64) float ls[16], us[16];
-        _mm512_store_ps(ls, l);
-        _mm512_store_ps(us, u);
-        for (int k = 0; k < batch; ++k)
-          if (zeros >> k & 1) {
-            const std::int64_t f = f0 + k, tok = t0 + f / VGs, c0 = (f % VGs) * VG;
-            float a = to_float(values(tok, h, c0)), z = a;
-            for (std::int64_t c = c0; c < c0 + VG; ++c) {
-              const float x = to_float(values(tok, h, c));
-              a = x < a ? x : a;
-              z = x > z ? x : z;
-            }
-            ls[k] = a;
-            us[k] = z;
-          }
-        l = _mm512_load_ps(ls);
-        u = _mm512_load_ps(us);
-      }
+      redo_zero_extremes(l, u, static_cast<__mmask16>((1u << batch) - 1u), static_cast<int>(VG),
+                         [&](int k, int c) {
+                           const std::int64_t f = f0 + k, tok = t0 + f / VGs;
+                           return to_float(values(tok, h, (f % VGs) * VG + c));
+                         });
       __m512 scale, inv;
       group_params16<Bits>(l, u, scale, inv, bad);
       const __mmask16 live = static_cast<__mmask16>((1u << batch) - 1u);

@@ -345,55 +345,77 @@ TEST_CASE(
 }
 
 #if defined(LYNX_WITH_UCX)
+/// One request over UCX (tcp on lo) between this process (decode) and a forked
+/// prefill child. UCX state is never forked: the child is forked first and
+/// learns the listener's port through a pipe. `prefill_options` adjusts the
+/// child's prefill_node_options; the child exits 0 when its request completed.
+class ucx_request {
+ public:
+  template <class Plan, class Adjust>
+  ucx_request(Plan, const std::vector<int>& prompt, Adjust prefill_options) {
+    ::setenv("UCX_TLS", "tcp", 1);
+    ::setenv("UCX_NET_DEVICES", "lo", 1);
+    REQUIRE(::pipe(fds_) == 0);
+    prefill_.emplace(
+        [&, prefill_options] {
+          std::uint16_t port = 0;
+          if (::read(fds_[0], &port, sizeof port) != static_cast<ssize_t>(sizeof port)) return 3;
+          lynx::ucx_sender sender("127.0.0.1", port, in(10s));
+          dg::prefill_node_options<lynx::ucx_sender> o;
+          o.generation = generation;
+          o.residual_window = residual_segment_bytes<Plan>();
+          prefill_options(o);
+          return dg::run_prefill_node<Plan>(sender, *real_model(), prompt, o).status ==
+                         lynx::errc::ok
+                     ? 0
+                     : 1;
+        },
+        60);
+    try {
+      receiver_ = std::make_unique<lynx::ucx_receiver>("127.0.0.1", 0);
+    } catch (const lynx::error& e) {
+      MESSAGE("SKIPPED: UCX cannot listen on loopback here: " << e.what());
+      return;
+    }
+    const std::uint16_t port = receiver_->port();
+    REQUIRE(::write(fds_[1], &port, sizeof port) == static_cast<ssize_t>(sizeof port));
+    receiver_->accept(in(10s));
+  }
+  ucx_request(const ucx_request&) = delete;
+  ucx_request& operator=(const ucx_request&) = delete;
+  ~ucx_request() {
+    ::close(fds_[0]);
+    ::close(fds_[1]);
+  }
+  /// False (the test is skipped) where UCX cannot listen on loopback.
+  [[nodiscard]] bool connected() const { return receiver_ != nullptr; }
+  lynx::ucx_receiver& receiver() { return *receiver_; }
+  lynx::test::child_process& prefill() { return *prefill_; }
+
+ private:
+  int fds_[2] = {-1, -1};
+  std::optional<lynx::test::child_process> prefill_;
+  std::unique_ptr<lynx::ucx_receiver> receiver_;
+};
+
 TEST_CASE(
     "two processes over UCX (tcp on lo), 8 = 4 + 4: committed tokens equal plain greedy decoding") {
   ::alarm(120);
   if (!model_or_skip()) return;
-  ::setenv("UCX_TLS", "tcp", 1);
-  ::setenv("UCX_NET_DEVICES", "lo", 1);
   using plan = lynx::plan_8_4_4;
   const auto prompt = prompt_of(21);
   const auto want = dg::plain_greedy_reference<plan>(*real_model(), prompt, committed_tokens);
-  int fds[2];
-  REQUIRE(::pipe(fds) == 0);
-  // UCX state is never forked: the child is forked first and learns the port through a pipe.
-  lynx::test::child_process prefill(
-      [&] {
-        std::uint16_t port = 0;
-        if (::read(fds[0], &port, sizeof port) != static_cast<ssize_t>(sizeof port)) return 3;
-        lynx::ucx_sender sender("127.0.0.1", port, in(10s));
-        dg::prefill_node_options<lynx::ucx_sender> o;
-        o.generation = generation;
-        o.residual_window = residual_segment_bytes<plan>();
-        o.stale_anchor_layers = 1;
-        return dg::run_prefill_node<plan>(sender, *real_model(), prompt, o).status == lynx::errc::ok
-                   ? 0
-                   : 1;
-      },
-      60);
-  std::unique_ptr<lynx::ucx_receiver> receiver;
-  try {
-    receiver = std::make_unique<lynx::ucx_receiver>("127.0.0.1", 0);
-  } catch (const lynx::error& e) {
-    MESSAGE("SKIPPED: UCX cannot listen on loopback here: " << e.what());
-    ::close(fds[0]);
-    ::close(fds[1]);
-    return;
-  }
-  const std::uint16_t port = receiver->port();
-  REQUIRE(::write(fds[1], &port, sizeof port) == static_cast<ssize_t>(sizeof port));
-  receiver->accept(in(10s));
+  ucx_request req(plan{}, prompt, [](auto& o) { o.stale_anchor_layers = 1; });
+  if (!req.connected()) return;
   dg::decode_node_options o;
   o.generation = generation;
   o.committed_tokens = committed_tokens;
-  const auto r = dg::run_decode_node<plan>(*real_model(), prompt_tokens, *receiver, o);
+  const auto r = dg::run_decode_node<plan>(*real_model(), prompt_tokens, req.receiver(), o);
   CHECK(r.outcome == lynx::request_outcome::completed);
   CHECK(tokens_of(r) == want);
   CHECK(r.stale == 1);
-  CHECK(receiver->held() == 0);
-  CHECK(prefill.wait(in(20s)) == 0);
-  ::close(fds[0]);
-  ::close(fds[1]);
+  CHECK(req.receiver().held() == 0);
+  CHECK(req.prefill().wait(in(20s)) == 0);
 }
 
 TEST_CASE(
@@ -401,54 +423,25 @@ TEST_CASE(
     "deadline") {
   ::alarm(120);
   if (!model_or_skip()) return;
-  ::setenv("UCX_TLS", "tcp", 1);
-  ::setenv("UCX_NET_DEVICES", "lo", 1);
   using plan = lynx::plan_8_4_4;
   const auto prompt = prompt_of(22);
-  int fds[2];
-  REQUIRE(::pipe(fds) == 0);
-  lynx::test::child_process prefill(
-      [&] {
-        std::uint16_t port = 0;
-        if (::read(fds[0], &port, sizeof port) != static_cast<ssize_t>(sizeof port)) return 3;
-        lynx::ucx_sender sender("127.0.0.1", port, in(10s));
-        dg::prefill_node_options<lynx::ucx_sender> o;
-        o.generation = generation;
-        o.residual_window = residual_segment_bytes<plan>();
-        int residuals = 0;
-        o.on_final = [&](const auto& rec) {
-          if (rec.delivered && rec.id.stream != 0 && ++residuals == 2) ::raise(SIGKILL);
-        };
-        return dg::run_prefill_node<plan>(sender, *real_model(), prompt, o).status == lynx::errc::ok
-                   ? 0
-                   : 1;
-      },
-      60);
-  std::unique_ptr<lynx::ucx_receiver> receiver;
-  try {
-    receiver = std::make_unique<lynx::ucx_receiver>("127.0.0.1", 0);
-  } catch (const lynx::error& e) {
-    MESSAGE("SKIPPED: UCX cannot listen on loopback here: " << e.what());
-    ::close(fds[0]);
-    ::close(fds[1]);
-    return;
-  }
-  const std::uint16_t port = receiver->port();
-  REQUIRE(::write(fds[1], &port, sizeof port) == static_cast<ssize_t>(sizeof port));
-  receiver->accept(in(10s));
+  ucx_request req(plan{}, prompt, [](auto& o) {
+    o.on_final = [residuals = 0](const auto& rec) mutable {
+      if (rec.delivered && rec.id.stream != 0 && ++residuals == 2) ::raise(SIGKILL);
+    };
+  });
+  if (!req.connected()) return;
   dg::decode_node_options o;
   o.generation = generation;
   o.committed_tokens = committed_tokens;
   o.deadlines = {10'000ms, 10'000ms, 60'000ms};
   const auto t0 = clock_type::now();
-  const auto r = dg::run_decode_node<plan>(*real_model(), prompt_tokens, *receiver, o);
+  const auto r = dg::run_decode_node<plan>(*real_model(), prompt_tokens, req.receiver(), o);
   CHECK(std::chrono::duration<double>(clock_type::now() - t0).count() < 10.0);
   CHECK(r.outcome == lynx::request_outcome::failed);
   REQUIRE(r.failures.size() == 1);
   CHECK(r.failures[0].status == lynx::errc::peer_failure);
-  CHECK(prefill.wait(in(20s)) == 128 + SIGKILL);
-  ::close(fds[0]);
-  ::close(fds[1]);
+  CHECK(req.prefill().wait(in(20s)) == 128 + SIGKILL);
 }
 #else
 TEST_CASE("two processes over UCX") {

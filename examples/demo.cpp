@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "disagg/options.hpp"
 #include "disagg/report.hpp"
 #include "disagg/request.hpp"
 
@@ -44,38 +45,34 @@ struct arguments {
 
 arguments parse(int argc, char** argv) {
   arguments a;
-  for (int i = 1; i < argc; ++i) {
-    const std::string key = argv[i];
-    if (key == "--help" || key == "-h") usage("help");
-    if (i + 1 >= argc) usage("missing value after " + key);
-    const std::string value = argv[++i];
-    try {
-      if (key == "--model")
-        a.model = value;
-      else if (key == "--tokenizer")
-        a.tokenizer = value;
-      else if (key == "--plan")
-        a.plan = value;
-      else if (key == "--gbps")
-        a.request.link.gbit_per_s = std::stod(value);
-      else if (key == "--latency-us")
-        a.request.link.latency_us = std::stod(value);
-      else if (key == "--lanes")
-        a.request.link.lanes = std::stoi(value);
-      else if (key == "--prompt-tokens")
-        a.prompt_tokens = std::stoi(value);
-      else if (key == "--tokens")
-        a.request.committed_tokens = std::stoi(value);
-      else if (key == "--max-draft")
-        a.request.max_draft = std::stoi(value);
-      else if (key == "--seed")
-        a.seed = std::stoull(value);
-      else
-        usage("unknown option " + key);
-    } catch (const std::logic_error&) {
-      usage("bad value '" + value + "' for " + key);
-    }
-  }
+  dg::parse_options(
+      argc, argv,
+      [&](const std::string& key, const std::string& value) {
+        if (key == "--model")
+          a.model = value;
+        else if (key == "--tokenizer")
+          a.tokenizer = value;
+        else if (key == "--plan")
+          a.plan = value;
+        else if (key == "--gbps")
+          a.request.link.gbit_per_s = std::stod(value);
+        else if (key == "--latency-us")
+          a.request.link.latency_us = std::stod(value);
+        else if (key == "--lanes")
+          a.request.link.lanes = std::stoi(value);
+        else if (key == "--prompt-tokens")
+          a.prompt_tokens = std::stoi(value);
+        else if (key == "--tokens")
+          a.request.committed_tokens = std::stoi(value);
+        else if (key == "--max-draft")
+          a.request.max_draft = std::stoi(value);
+        else if (key == "--seed")
+          a.seed = std::stoull(value);
+        else
+          return false;
+        return true;
+      },
+      usage);
   if (a.request.link.gbit_per_s <= 0) usage("--gbps must be positive");
   if (a.request.link.lanes != 1 && a.request.link.lanes != 2) usage("--lanes must be 1 or 2");
   if (a.request.committed_tokens < 2) usage("--tokens must be at least 2");

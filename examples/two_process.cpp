@@ -39,6 +39,7 @@
 #include <vector>
 
 #include "disagg/decode_node.hpp"
+#include "disagg/options.hpp"
 #include "disagg/prefill_node.hpp"
 #include "disagg/report.hpp"
 #include "lynx/transport/tcp.hpp"
@@ -81,63 +82,57 @@ struct arguments {
 
 arguments parse(int argc, char** argv) {
   arguments a;
-  for (int i = 1; i < argc; ++i) {
-    const std::string key = argv[i];
-    if (key == "--help" || key == "-h") usage("help");
-    if (i + 1 >= argc) usage("missing value after " + key);
-    const std::string value = argv[++i];
-    try {
-      if (key == "--role")
-        a.role = value;
-      else if (key == "--transport")
-        a.transport = value;
-      else if (key == "--connect") {
-        const auto colon = value.rfind(':');
-        if (colon == std::string::npos) usage("--connect wants HOST:PORT");
-        a.host = value.substr(0, colon);
-        a.port = std::stoi(value.substr(colon + 1));
-      } else if (key == "--listen")
-        a.port = std::stoi(value);
-      else if (key == "--model")
-        a.model = value;
-      else if (key == "--tokenizer")
-        a.tokenizer = value;
-      else if (key == "--plan")
-        a.plan = value;
-      else if (key == "--prompt-tokens")
-        a.prompt_tokens = std::stoi(value);
-      else if (key == "--tokens")
-        a.tokens = std::stoi(value);
-      else if (key == "--seed")
-        a.seed = std::stoull(value);
-      else if (key == "--generation")
-        a.generation = std::stoull(value);
-      else if (key == "--max-draft")
-        a.max_draft = std::stoi(value);
-      else if (key == "--window-bytes")
-        a.window = std::stoull(value);
-      else if (key == "--on-failure")
-        a.failure.policy = lynx::parse_failure_policy(value);
-      else if (key == "--anchor-deadline-ms")
-        a.deadlines.anchor = std::chrono::milliseconds(std::stoll(value));
-      else if (key == "--residual-deadline-ms")
-        a.deadlines.residual = std::chrono::milliseconds(std::stoll(value));
-      else if (key == "--request-deadline-ms")
-        a.deadlines.request = std::chrono::milliseconds(std::stoll(value));
-      else if (key == "--resend")
-        a.resend = value;
-      else if (key == "--die-after-residuals")
-        a.die_after_residuals = std::stoi(value);
-      else if (key == "--stale-layers")
-        a.stale_layers = std::stoi(value);
-      else
-        usage("unknown option " + key);
-    } catch (const std::logic_error&) {
-      usage("bad value '" + value + "' for " + key);
-    } catch (const lynx::error& e) {
-      usage(e.what());
-    }
-  }
+  dg::parse_options(
+      argc, argv,
+      [&](const std::string& key, const std::string& value) {
+        if (key == "--role")
+          a.role = value;
+        else if (key == "--transport")
+          a.transport = value;
+        else if (key == "--connect") {
+          const auto colon = value.rfind(':');
+          if (colon == std::string::npos) usage("--connect wants HOST:PORT");
+          a.host = value.substr(0, colon);
+          a.port = std::stoi(value.substr(colon + 1));
+        } else if (key == "--listen")
+          a.port = std::stoi(value);
+        else if (key == "--model")
+          a.model = value;
+        else if (key == "--tokenizer")
+          a.tokenizer = value;
+        else if (key == "--plan")
+          a.plan = value;
+        else if (key == "--prompt-tokens")
+          a.prompt_tokens = std::stoi(value);
+        else if (key == "--tokens")
+          a.tokens = std::stoi(value);
+        else if (key == "--seed")
+          a.seed = std::stoull(value);
+        else if (key == "--generation")
+          a.generation = std::stoull(value);
+        else if (key == "--max-draft")
+          a.max_draft = std::stoi(value);
+        else if (key == "--window-bytes")
+          a.window = std::stoull(value);
+        else if (key == "--on-failure")
+          a.failure.policy = lynx::parse_failure_policy(value);
+        else if (key == "--anchor-deadline-ms")
+          a.deadlines.anchor = std::chrono::milliseconds(std::stoll(value));
+        else if (key == "--residual-deadline-ms")
+          a.deadlines.residual = std::chrono::milliseconds(std::stoll(value));
+        else if (key == "--request-deadline-ms")
+          a.deadlines.request = std::chrono::milliseconds(std::stoll(value));
+        else if (key == "--resend")
+          a.resend = value;
+        else if (key == "--die-after-residuals")
+          a.die_after_residuals = std::stoi(value);
+        else if (key == "--stale-layers")
+          a.stale_layers = std::stoi(value);
+        else
+          return false;
+        return true;
+      },
+      usage);
   if (a.role != "both" && a.role != "prefill" && a.role != "decode")
     usage("--role must be both, prefill or decode");
   if (a.transport != "tcp" && a.transport != "ucx") usage("--transport must be tcp or ucx");

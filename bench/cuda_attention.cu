@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda_harness.cuh"
 #include "lynx/backend/cuda/attention.cuh"
 #include "lynx/backend/cuda/tensor.cuh"
 #include "lynx/planes/codec.hpp"
@@ -60,31 +61,11 @@ std::vector<T> convert(const std::vector<float>& x) {
   return r;
 }
 
-// Times `body` with CUDA events per iteration; records seconds per iteration under `name`.
+// Times `body` (lynx_bench::cuda_timed_loop); records seconds per iteration under `name`.
 template <class F>
 void timed_loop(benchmark::State& state, const std::string& name, double bytes, F&& body) {
-  cudaEvent_t start, stop;
-  LYNX_CUDA_CHECK(cudaEventCreate(&start));
-  LYNX_CUDA_CHECK(cudaEventCreate(&stop));
-  body();  // warm-up
-  LYNX_CUDA_CHECK(cudaDeviceSynchronize());
-  double total = 0.0;
-  for (auto _ : state) {
-    LYNX_CUDA_CHECK(cudaEventRecord(start));
-    body();
-    LYNX_CUDA_CHECK(cudaEventRecord(stop));
-    LYNX_CUDA_CHECK(cudaEventSynchronize(stop));
-    float ms = 0.0f;
-    LYNX_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
-    state.SetIterationTime(static_cast<double>(ms) * 1e-3);
-    total += static_cast<double>(ms) * 1e-3;
-  }
-  state.SetBytesProcessed(
-      static_cast<std::int64_t>(static_cast<double>(state.iterations()) * bytes));
-  if (state.iterations() > 0)
-    results()[name] = {total / static_cast<double>(state.iterations()), bytes};
-  LYNX_CUDA_CHECK(cudaEventDestroy(start));
-  LYNX_CUDA_CHECK(cudaEventDestroy(stop));
+  const double seconds = lynx_bench::cuda_timed_loop(state, bytes, body);
+  if (state.iterations() > 0) results()[name] = {seconds, bytes};
 }
 
 std::string case_name(const char* what, std::int64_t tokens) {
@@ -231,15 +212,7 @@ void print_table() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  int devices = 0;
-  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
-    std::printf("bench_cuda_attention: no CUDA device, nothing to measure\n");
-    return 0;
-  }
-  benchmark::Initialize(&argc, argv);
-  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
-  benchmark::RunSpecifiedBenchmarks();
-  benchmark::Shutdown();
-  print_table();
-  return 0;
+  const int rc = lynx_bench::run_cuda_benchmarks(argc, argv, "bench_cuda_attention");
+  if (rc == 0) print_table();
+  return rc;
 }

@@ -12,6 +12,7 @@
 #include <random>
 #include <vector>
 
+#include "cuda_harness.cuh"
 #include "lynx/backend/cuda/codec.cuh"
 #include "lynx/backend/cuda/tensor.cuh"
 
@@ -46,34 +47,12 @@ struct device_layer {
   }
 };
 
-// Times `body` (launches on the default stream) with CUDA events per iteration.
-template <class F>
-void timed_loop(benchmark::State& state, std::int64_t bytes, F&& body) {
-  cudaEvent_t start, stop;
-  LYNX_CUDA_CHECK(cudaEventCreate(&start));
-  LYNX_CUDA_CHECK(cudaEventCreate(&stop));
-  body();  // warm-up
-  LYNX_CUDA_CHECK(cudaDeviceSynchronize());
-  for (auto _ : state) {
-    LYNX_CUDA_CHECK(cudaEventRecord(start));
-    body();
-    LYNX_CUDA_CHECK(cudaEventRecord(stop));
-    LYNX_CUDA_CHECK(cudaEventSynchronize(stop));
-    float ms = 0.0f;
-    LYNX_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
-    state.SetIterationTime(static_cast<double>(ms) * 1e-3);
-  }
-  state.SetBytesProcessed(state.iterations() * bytes);
-  LYNX_CUDA_CHECK(cudaEventDestroy(start));
-  LYNX_CUDA_CHECK(cudaEventDestroy(stop));
-}
-
 void bm_cuda_memcpy_d2d(benchmark::State& state) {
   const std::int64_t bytes = kv_bytes(state.range(0));
   lynx::cuda::device_buffer src(static_cast<std::size_t>(bytes)),
       dst(static_cast<std::size_t>(bytes));
   LYNX_CUDA_CHECK(cudaMemset(src.data(), 1, src.size()));
-  timed_loop(state, bytes, [&] {
+  lynx_bench::cuda_timed_loop(state, static_cast<double>(bytes), [&] {
     LYNX_CUDA_CHECK(cudaMemcpyAsync(dst.data(), src.data(), src.size(), cudaMemcpyDeviceToDevice));
   });
 }
@@ -85,7 +64,7 @@ void bm_cuda_encode(benchmark::State& state) {
   const auto values = layer.view<const lynx::bf16>(layer.values);
   lynx::cuda::device_encoded_layer<Plan, 32> out(lynx::make_geometry<Plan, 32>(layer.shape), 0);
   std::size_t workspace_bytes = out.workspace().size;
-  timed_loop(state, kv_bytes(state.range(0)), [&] {
+  lynx_bench::cuda_timed_loop(state, static_cast<double>(kv_bytes(state.range(0))), [&] {
     LYNX_CUDA_CHECK((lynx::cuda::encode_async<Plan, 32, lynx::bf16>(
         out.workspace().data, workspace_bytes, keys, values, 0, out.segments())));
   });
@@ -108,8 +87,8 @@ void bm_cuda_reconstruct(benchmark::State& state) {
         encoded.segment(s).data + lynx::segment_header_bytes;
   const auto k = layer.view<lynx::bf16>(keys_out);
   const auto v = layer.view<lynx::bf16>(values_out);
-  timed_loop(state, kv_bytes(state.range(0)),
-             [&] { lynx::cuda::reconstruct<Plan, 32, lynx::bf16>(view, k, v); });
+  lynx_bench::cuda_timed_loop(state, static_cast<double>(kv_bytes(state.range(0))),
+                              [&] { lynx::cuda::reconstruct<Plan, 32, lynx::bf16>(view, k, v); });
   state.SetLabel(level == 1 ? "anchor" : "full");
 }
 
@@ -129,14 +108,5 @@ BENCHMARK(bm_cuda_reconstruct<lynx::plan_8_4_4>)->Apply(level_args);
 }  // namespace
 
 int main(int argc, char** argv) {
-  int devices = 0;
-  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
-    std::printf("bench_cuda_codec: no CUDA device, nothing to measure\n");
-    return 0;
-  }
-  benchmark::Initialize(&argc, argv);
-  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
-  benchmark::RunSpecifiedBenchmarks();
-  benchmark::Shutdown();
-  return 0;
+  return lynx_bench::run_cuda_benchmarks(argc, argv, "bench_cuda_codec");
 }

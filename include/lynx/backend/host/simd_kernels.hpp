@@ -26,6 +26,15 @@
 
 #if LYNX_HOST_AVX512
 
+// Unrolling hints for the host compiler; a CUDA front end compiling this header
+// for a .cu file's host side does not know the pragma.
+#define LYNX_SIMD_PRAGMA(x) _Pragma(#x)
+#if defined(__CUDACC__)
+#define LYNX_SIMD_UNROLL(n)
+#else
+#define LYNX_SIMD_UNROLL(n) LYNX_SIMD_PRAGMA(GCC unroll n)
+#endif
+
 #include <immintrin.h>
 
 #include <algorithm>
@@ -557,13 +566,13 @@ LYNX_ALWAYS_INLINE void slice_planes(CodeRow&& code_row, std::uint32_t* const* r
                                      bool stream) {
   const __m512i transpose = _mm512_set1_epi64(planes_of_tokens);
   __m512i w[16];
-#pragma GCC unroll 4
+  LYNX_SIMD_UNROLL(4)
   for (int m = 0; m < 4; ++m) {
     __m512i staged[2][2];  // [c % 2][rows 8m + 4h..]
-#pragma GCC unroll 2
+    LYNX_SIMD_UNROLL(2)
     for (int h = 0; h < 2; ++h) {
       __m512i even[4], odd[4];
-#pragma GCC unroll 4
+      LYNX_SIMD_UNROLL(4)
       for (int k = 0; k < 4; ++k) code_row(8 * m + 4 * h + k, even[k], odd[k]);
       staged[0][h] = _mm512_packus_epi16(_mm512_packus_epi32(even[0], even[1]),
                                          _mm512_packus_epi32(even[2], even[3]));
@@ -571,36 +580,35 @@ LYNX_ALWAYS_INLINE void slice_planes(CodeRow&& code_row, std::uint32_t* const* r
                                          _mm512_packus_epi32(odd[2], odd[3]));
     }
     // Stage vectors 8 (c % 2) + 2m + h; the gather level pairs h = 0 and 1.
-#pragma GCC unroll 2
-    for (int c0 = 0; c0 < 2; ++c0)
-#pragma GCC unroll 2
-      for (int bit = 0; bit < 2; ++bit) {
-        const int n = 8 * c0 + 2 * m + bit;
-        w[n] = _mm512_gf2p8affine_epi64_epi8(
-            transpose,
-            _mm512_permutex2var_epi8(
-                staged[c0][0], _mm512_load_si512(slice_gather.index[0][n].data()), staged[c0][1]),
-            0);
-      }
+    LYNX_SIMD_UNROLL(2)
+    for (int c0 = 0; c0 < 2; ++c0) LYNX_SIMD_UNROLL(2)
+    for (int bit = 0; bit < 2; ++bit) {
+      const int n = 8 * c0 + 2 * m + bit;
+      w[n] = _mm512_gf2p8affine_epi64_epi8(
+          transpose,
+          _mm512_permutex2var_epi8(
+              staged[c0][0], _mm512_load_si512(slice_gather.index[0][n].data()), staged[c0][1]),
+          0);
+    }
   }
-#pragma GCC unroll 2
+  LYNX_SIMD_UNROLL(2)
   for (int half = 0; half < 2; ++half) {
     __m512i v[8];  // vector 2 i + half
-#pragma GCC unroll 8
+    LYNX_SIMD_UNROLL(8)
     for (int i = 0; i < 8; ++i) v[i] = w[2 * i + half];
-#pragma GCC unroll 3
+    LYNX_SIMD_UNROLL(3)
     for (int level = 0; level < 3; ++level) {
       const int bit = 1 << level;
       __m512i next[8];
-#pragma GCC unroll 8
+      LYNX_SIMD_UNROLL(8)
       for (int i = 0; i < 8; ++i)
         next[i] = _mm512_permutex2var_epi8(
             v[i & ~bit], _mm512_load_si512(slice_scatter.index[level][2 * i + half].data()),
             v[i | bit]);
-#pragma GCC unroll 8
+      LYNX_SIMD_UNROLL(8)
       for (int i = 0; i < 8; ++i) v[i] = next[i];
     }
-#pragma GCC unroll 8
+    LYNX_SIMD_UNROLL(8)
     for (int j = 0; j < 8; ++j) {
       std::uint32_t* dst = rows[j] + 32 * sl + 16 * half;
       if (stream)
@@ -738,13 +746,13 @@ void encode_bf16_block(const kv_view<const bf16, host_space>& keys,
                 natural_high = _mm512_load_si512(interleave_index.high);
   // Min/max statistics of all slices in one pass over the rows, front to back.
   __m512i smax_of[slices], umin_of[slices], umax_of[slices];
-#pragma GCC unroll 4
+  LYNX_SIMD_UNROLL(4)
   for (int sl = 0; sl < slices; ++sl)
     smax_of[sl] = umin_of[sl] = umax_of[sl] = load_row(kbase + 32 * sl);
   for (int t = 0; t < 32; ++t) {
     next_row(next_keys, ks, t);
     const bf16* row = kbase + t * ks;
-#pragma GCC unroll 4
+    LYNX_SIMD_UNROLL(4)
     for (int sl = 0; sl < slices; ++sl) {
       const __m512i x = load_row(row + 32 * sl);
       smax_of[sl] = _mm512_max_epi16(smax_of[sl], x);

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "../support/attention_reference.hpp"
 #include "lynx/attention/decode_attention.hpp"
 #include "lynx/planes/codec.hpp"
 
@@ -44,17 +45,10 @@ std::vector<float> make_queries(std::int64_t n, std::int64_t qh, std::int64_t D,
   return q;
 }
 
-struct reference_result {
-  std::vector<double> out, lse;
-  std::vector<double> tol;  // per (query, head)
-};
+using reference_result = lynx::test::attention_reference_result;
 
-// fp64 attention over dense float K/V (prompt then tail), with the error bound
-// of the fp32 kernels (u = 2^-24):
-//   score error   |ds| <= (D + 4) u sum_c |q_c k_c| * scale   (fold and fp32 channel sum)
-//   exp2 / merge  relative error of every weight <= |ds| * 2 + 8 u (polynomial, scaling, merges)
-//   value sums    (n_split + D + 8) u * max|v| (fp32 sums over <= 1024 tokens, fold offsets)
-// so |out - ref| <= max|v| * (2 * 2 * max|ds| + (1024 + D + 16 + 8 * splits) u), times 2 for slack.
+// fp64 attention reference (tests/support/attention_reference.hpp) with this
+// backend's split of the context: 1024-token splits, plus one.
 template <class TailT>
 reference_result reference(const std::vector<float>& pk, const std::vector<float>& pv,
                            std::int64_t prompt_tokens, const std::vector<TailT>& tk,
@@ -62,61 +56,8 @@ reference_result reference(const std::vector<float>& pk, const std::vector<float
                            const std::vector<float>& q, std::int64_t n, std::int64_t qh,
                            lynx::tail_visibility vis, double scale, std::int64_t window = 0,
                            double cap = 0.0) {
-  const double u = std::ldexp(1.0, -24);
-  reference_result r;
-  r.out.assign(static_cast<std::size_t>(n * qh * D), 0.0);
-  r.lse.assign(static_cast<std::size_t>(n * qh), 0.0);
-  r.tol.assign(static_cast<std::size_t>(n * qh), 0.0);
-  const std::int64_t group = qh / kv_heads;
-  for (std::int64_t i = 0; i < n; ++i)
-    for (std::int64_t h = 0; h < qh; ++h) {
-      const std::int64_t g = h / group;
-      const float* qv = q.data() + (i * qh + h) * D;
-      const std::int64_t visible = vis(i), total = prompt_tokens + visible;
-      const std::int64_t qpos = total - 1, first = window > 0 ? qpos - window + 1 : 0;
-      std::vector<double> s;
-      std::vector<const float*> krow_f, vrow_f;
-      std::vector<const TailT*> krow_t, vrow_t;
-      double max_ds = 0.0, max_v = 0.0;
-      std::vector<std::int64_t> pos;
-      for (std::int64_t t = 0; t < total; ++t) {
-        if (t < first) continue;
-        double dot = 0.0, mag = 0.0;
-        for (std::int64_t c = 0; c < D; ++c) {
-          const double k = t < prompt_tokens
-                               ? pk[static_cast<std::size_t>((t * kv_heads + g) * D + c)]
-                               : static_cast<double>(lynx::to_float(tk[static_cast<std::size_t>(
-                                     ((t - prompt_tokens) * kv_heads + g) * D + c)]));
-          dot += qv[c] * k;
-          mag += std::abs(qv[c] * k);
-        }
-        dot *= scale;
-        if (cap > 0) dot = cap * std::tanh(dot / cap);
-        s.push_back(dot);
-        pos.push_back(t);
-        max_ds = std::max(
-            max_ds, (static_cast<double>(D) + 4.0) * u * mag * scale * 4.0 + 4 * u * std::abs(dot));
-      }
-      const double m = *std::max_element(s.begin(), s.end());
-      double l = 0.0;
-      for (double& x : s) l += (x = std::exp(x - m));
-      for (std::size_t k = 0; k < s.size(); ++k) {
-        const std::int64_t t = pos[k];
-        for (std::int64_t c = 0; c < D; ++c) {
-          const double v = t < prompt_tokens
-                               ? pv[static_cast<std::size_t>((t * kv_heads + g) * D + c)]
-                               : static_cast<double>(lynx::to_float(tv[static_cast<std::size_t>(
-                                     ((t - prompt_tokens) * kv_heads + g) * D + c)]));
-          max_v = std::max(max_v, std::abs(v));
-          r.out[static_cast<std::size_t>((i * qh + h) * D + c)] += s[k] / l * v;
-        }
-      }
-      r.lse[static_cast<std::size_t>(i * qh + h)] = m + std::log(l);
-      const double splits = std::ceil(static_cast<double>(total) / 1024.0) + 1;
-      r.tol[static_cast<std::size_t>(i * qh + h)] =
-          2.0 * max_v * (4.0 * max_ds + (1024.0 + D + 16.0 + 8.0 * splits) * u) + 1e-30;
-    }
-  return r;
+  return lynx::test::attention_reference({1024.0, 1.0}, pk, pv, prompt_tokens, tk, tv, kv_heads, D,
+                                         q, n, qh, vis, scale, window, cap);
 }
 
 template <class Plan, int G = 32>

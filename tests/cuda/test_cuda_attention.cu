@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "../support/attention_reference.hpp"
 #include "lynx/attention/decode_attention.hpp"
 #include "lynx/backend/cuda/attention.cuh"
 #include "lynx/backend/cuda/tensor.cuh"
@@ -86,17 +87,10 @@ struct device_array {
 // fp64 reference on the reconstructed values
 // ---------------------------------------------------------------------------
 
-struct reference_result {
-  std::vector<double> out, lse, tol;  // tol per (query, head)
-};
+using reference_result = lynx::test::attention_reference_result;
 
-// fp64 attention over dense float K/V (prompt then tail). Tolerance of the fp32
-// kernels (u = 2^-24), as in the host test, with chunks of 256 tokens:
-//   score error   |ds| <= (D + 4) u sum_c |q_c k_c| * scale  (fp32 channel sums over <= D/8 + 3
-//   terms, fold of q * scale) weights       relative error <= 2 |ds| + 8 u               (exp2
-//   polynomial, rescales, merges) value sums    (tokens per block + rescales + D + 16 + 8 * chunks)
-//   u * max|v|
-// so |out - ref| <= 2 max|v| (4 max|ds| + (1024 + D + 16 + 8 * chunks) u).
+// fp64 attention reference (tests/support/attention_reference.hpp) with this
+// backend's split of the context: 256-token chunks, plus two.
 template <class TailT>
 reference_result reference(const std::vector<float>& pk, const std::vector<float>& pv,
                            std::int64_t prompt_tokens, const std::vector<TailT>& tk,
@@ -104,61 +98,8 @@ reference_result reference(const std::vector<float>& pk, const std::vector<float
                            const std::vector<float>& q, std::int64_t n, std::int64_t qh,
                            lynx::tail_visibility vis, double scale, std::int64_t window = 0,
                            double cap = 0.0) {
-  const double u = std::ldexp(1.0, -24);
-  reference_result r;
-  r.out.assign(static_cast<std::size_t>(n * qh * D), 0.0);
-  r.lse.assign(static_cast<std::size_t>(n * qh), 0.0);
-  r.tol.assign(static_cast<std::size_t>(n * qh), 0.0);
-  const std::int64_t group = qh / kv_heads;
-  auto key = [&](std::int64_t t, std::int64_t g, std::int64_t c) {
-    return t < prompt_tokens
-               ? static_cast<double>(pk[static_cast<std::size_t>((t * kv_heads + g) * D + c)])
-               : static_cast<double>(lynx::to_float(
-                     tk[static_cast<std::size_t>(((t - prompt_tokens) * kv_heads + g) * D + c)]));
-  };
-  auto value = [&](std::int64_t t, std::int64_t g, std::int64_t c) {
-    return t < prompt_tokens
-               ? static_cast<double>(pv[static_cast<std::size_t>((t * kv_heads + g) * D + c)])
-               : static_cast<double>(lynx::to_float(
-                     tv[static_cast<std::size_t>(((t - prompt_tokens) * kv_heads + g) * D + c)]));
-  };
-  for (std::int64_t i = 0; i < n; ++i)
-    for (std::int64_t h = 0; h < qh; ++h) {
-      const std::int64_t g = h / group;
-      const float* qv = q.data() + (i * qh + h) * D;
-      const std::int64_t total = prompt_tokens + vis(i), qpos = total - 1,
-                         first = window > 0 ? qpos - window + 1 : 0;
-      std::vector<double> s;
-      std::vector<std::int64_t> pos;
-      double max_ds = 0.0, max_v = 0.0;
-      for (std::int64_t t = std::max<std::int64_t>(first, 0); t < total; ++t) {
-        double dot = 0.0, mag = 0.0;
-        for (std::int64_t c = 0; c < D; ++c) {
-          dot += qv[c] * key(t, g, c);
-          mag += std::abs(qv[c] * key(t, g, c));
-        }
-        dot *= scale;
-        if (cap > 0) dot = cap * std::tanh(dot / cap);
-        s.push_back(dot);
-        pos.push_back(t);
-        max_ds = std::max(
-            max_ds, (static_cast<double>(D) + 4.0) * u * mag * scale * 4.0 + 4 * u * std::abs(dot));
-      }
-      const double m = *std::max_element(s.begin(), s.end());
-      double l = 0.0;
-      for (double& x : s) l += (x = std::exp(x - m));
-      for (std::size_t k = 0; k < s.size(); ++k)
-        for (std::int64_t c = 0; c < D; ++c) {
-          const double v = value(pos[k], g, c);
-          max_v = std::max(max_v, std::abs(v));
-          r.out[static_cast<std::size_t>((i * qh + h) * D + c)] += s[k] / l * v;
-        }
-      r.lse[static_cast<std::size_t>(i * qh + h)] = m + std::log(l);
-      const double chunks = std::ceil(static_cast<double>(total) / 256.0) + 2;
-      r.tol[static_cast<std::size_t>(i * qh + h)] =
-          2.0 * max_v * (4.0 * max_ds + (1024.0 + D + 16.0 + 8.0 * chunks) * u) + 1e-30;
-    }
-  return r;
+  return lynx::test::attention_reference({256.0, 2.0}, pk, pv, prompt_tokens, tk, tv, kv_heads, D,
+                                         q, n, qh, vis, scale, window, cap);
 }
 
 // worst |out - ref| / tol over all elements

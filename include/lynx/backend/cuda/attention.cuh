@@ -713,18 +713,9 @@ class decode_attention {
                                        attention_output out, cudaStream_t stream = nullptr) const {
     static_assert(std::is_same_v<TailT, float> || std::is_same_v<TailT, bf16>,
                   "cuda::decode_attention: the tail holds float or bf16");
-    const attention_launch_shape s = shape_of(prompt, tail_keys, tail_values, q, vis);
-    if (workspace == nullptr) {
-      workspace_bytes = s.workspace_bytes();
-      return cudaSuccess;
-    }
-    detail::check_workspace(workspace, workspace_bytes, s);
-    detail::check_pointers(tail_keys, tail_values, q, out, s);
-    const auto src = detail::make_plane_source(prompt);
-    const detail::dense_source<TailT> tail{tail_keys, tail_values};
-    return lynx::dispatch<8, 64, 128, 256>(static_cast<int>(s.head_dim), [&]<int D>() {
-      return detail::launch<D>(src, tail, s, params(s, q, vis), workspace, out, stream);
-    });
+    return call(
+        workspace, workspace_bytes, prompt, [&] { return detail::make_plane_source(prompt); },
+        tail_keys, tail_values, q, vis, out, stream);
   }
 
   /// Dense prompt (the 16-bit baseline), same structure and order of operations.
@@ -739,6 +730,22 @@ class decode_attention {
                   "cuda::decode_attention: a dense prompt holds float or bf16");
     static_assert(std::is_same_v<TailT, float> || std::is_same_v<TailT, bf16>,
                   "cuda::decode_attention: the tail holds float or bf16");
+    return call(
+        workspace, workspace_bytes, prompt,
+        [&] {
+          return detail::dense_source<T>{prompt.keys, prompt.values};
+        },
+        tail_keys, tail_values, q, vis, out, stream);
+  }
+
+ private:
+  /// Both prompt kinds: the shape (and, without a workspace, its size), the
+  /// workspace and pointer checks, then one launch for the head_dim.
+  template <class Prompt, class MakeSource, class TailT>
+  cudaError_t call(void* workspace, std::size_t& workspace_bytes, const Prompt& prompt,
+                   MakeSource&& make_source, kv_view<const TailT, device_space> tail_keys,
+                   kv_view<const TailT, device_space> tail_values, const attention_queries& q,
+                   tail_visibility vis, attention_output out, cudaStream_t stream) const {
     const attention_launch_shape s = shape_of(prompt, tail_keys, tail_values, q, vis);
     if (workspace == nullptr) {
       workspace_bytes = s.workspace_bytes();
@@ -746,14 +753,13 @@ class decode_attention {
     }
     detail::check_workspace(workspace, workspace_bytes, s);
     detail::check_pointers(tail_keys, tail_values, q, out, s);
-    const detail::dense_source<T> src{prompt.keys, prompt.values};
+    const auto src = make_source();
     const detail::dense_source<TailT> tail{tail_keys, tail_values};
     return lynx::dispatch<8, 64, 128, 256>(static_cast<int>(s.head_dim), [&]<int D>() {
       return detail::launch<D>(src, tail, s, params(s, q, vis), workspace, out, stream);
     });
   }
 
- private:
   detail::chunk_params params(const attention_launch_shape& s, const attention_queries& q,
                               tail_visibility vis) const {
     detail::chunk_params p{};

@@ -149,6 +149,27 @@ class ucx_worker {
     progress();
   }
 
+  /// Flushes every endpoint of the worker: operations posted before the call
+  /// (including sends still queued behind an endpoint's wireup) have left this
+  /// process when it returns UCS_OK. UCS_ERR_TIMED_OUT when the deadline passed
+  /// first (the flush is then cancelled), another status when the flush failed.
+  ucs_status_t flush(std::chrono::steady_clock::time_point deadline) {
+    ucp_request_param_t p{};
+    void* r = ucp_worker_flush_nbx(worker_, &p);
+    if (r == nullptr) return UCS_OK;
+    if (UCS_PTR_IS_ERR(r)) return UCS_PTR_STATUS(r);
+    while (ucp_request_check_status(r) == UCS_INPROGRESS &&
+           std::chrono::steady_clock::now() < deadline)
+      wait(deadline);
+    ucs_status_t s = ucp_request_check_status(r);
+    if (s == UCS_INPROGRESS) {
+      ucp_request_cancel(worker_, r);
+      s = UCS_ERR_TIMED_OUT;
+    }
+    ucp_request_free(r);
+    return s;
+  }
+
   /// Closes an endpoint (flushing it first unless `force`), bounded by the deadline.
   void close_endpoint(ucp_ep_h ep, bool force, std::chrono::steady_clock::time_point deadline) {
     ucp_request_param_t p{};
@@ -225,7 +246,7 @@ class ucx_sender {
           std::string("ucx_sender: connecting failed: ") + ucs_status_string(UCS_PTR_STATUS(r)));
       if (r == nullptr) continue;
       while (ucp_request_check_status(r) == UCS_INPROGRESS && clock::now() < deadline &&
-             broken_ == errc::ok)
+             !settle())
         worker_.wait(deadline);
       const ucs_status_t s = ucp_request_check_status(r);
       if (s == UCS_INPROGRESS) ucp_request_cancel(worker_.get(), r);
@@ -233,7 +254,7 @@ class ucx_sender {
       detail::require(s != UCS_INPROGRESS, errc::timeout,
                       "ucx_sender: " + host + ":" + std::to_string(port) +
                           " not connected before the deadline");
-      detail::require(s == UCS_OK && broken_ == errc::ok,
+      detail::require(s == UCS_OK && !settle(),
                       s == UCS_OK ? broken_ : detail::ucx_errc(s),
                       std::string("ucx_sender: connecting to ") + host + ":" +
                           std::to_string(port) + " failed: " + ucs_status_string(s));
@@ -243,7 +264,8 @@ class ucx_sender {
   ucx_sender& operator=(const ucx_sender&) = delete;
   ~ucx_sender() {
     const auto deadline = clock::now() + std::chrono::seconds(2);
-    for (ucp_ep_h ep : eps_) worker_.close_endpoint(ep, broken_ != errc::ok, deadline);
+    const bool force = broken_ != errc::ok || failing_ != errc::ok;
+    for (ucp_ep_h ep : eps_) worker_.close_endpoint(ep, force, deadline);
     worker_.progress();
     pending_.clear();
   }
@@ -252,7 +274,7 @@ class ucx_sender {
   [[nodiscard]] int lane_count() const noexcept { return static_cast<int>(eps_.size()); }
 
   post_result post(const send_request& request) {
-    if (broken_ != errc::ok) return {broken_, 0};
+    if (settle()) return {broken_, 0};
     if (request.lane >= eps_.size()) return {errc::invalid_argument, 0};
     const send_ticket ticket = next_ticket_++;
     auto op = std::make_unique<pending_send>();
@@ -286,6 +308,7 @@ class ucx_sender {
   std::optional<send_event<clock>> next_event(time_point deadline) {
     while (true) {
       worker_.progress();
+      settle();
       if (!events_.empty()) {
         const send_event<clock> e = events_.front();
         events_.pop_front();
@@ -319,6 +342,24 @@ class ucx_sender {
       }
   }
 
+  // A failure seen inside a UCX callback is only noted there; it becomes final
+  // here, after the progress loop it was seen in has drained the worker. An
+  // error on one lane's endpoint can come up before the acks already waiting
+  // on the other lane's connection are read; failing at once would report
+  // segments the receiver holds as lost. Returns whether the sender is broken.
+  bool settle() {
+    if (failing_ != errc::ok && broken_ == errc::ok) {
+      worker_.progress();
+      fail(failing_, std::move(failing_why_));
+    }
+    return broken_ != errc::ok;
+  }
+  void note_failure(errc status, std::string why) {
+    if (failing_ != errc::ok || broken_ != errc::ok) return;
+    failing_ = status;
+    failing_why_ = std::move(why);
+  }
+
   // Drops the record once it is final and UCX no longer holds its header.
   void retire(send_ticket ticket) {
     const auto it = pending_.find(ticket);
@@ -337,8 +378,8 @@ class ucx_sender {
         self.events_.push_back({ticket, completion_kind::buffer_reusable, errc::ok, clock::now()});
       op->reusable = true;
     } else {
-      self.fail(detail::ucx_errc(status),
-                std::string("ucx_sender: a send failed: ") + ucs_status_string(status));
+      self.note_failure(detail::ucx_errc(status),
+                        std::string("ucx_sender: a send failed: ") + ucs_status_string(status));
     }
     self.retire(ticket);
   }
@@ -359,7 +400,7 @@ class ucx_sender {
   }
 
   static void on_error(void* arg, ucp_ep_h, ucs_status_t status) {
-    static_cast<ucx_sender*>(arg)->fail(
+    static_cast<ucx_sender*>(arg)->note_failure(
         errc::peer_failure,
         std::string("ucx_sender: endpoint error: ") + ucs_status_string(status));
   }
@@ -369,8 +410,8 @@ class ucx_sender {
   std::map<send_ticket, std::unique_ptr<pending_send>> pending_;
   std::deque<send_event<clock>> events_;
   send_ticket next_ticket_ = 1;
-  errc broken_ = errc::ok;
-  std::string last_error_;
+  errc broken_ = errc::ok, failing_ = errc::ok;  // failing_: noted in a callback, not yet final
+  std::string last_error_, failing_why_;
 };
 
 /// The receiving endpoint (a segment_receiver): the UCX server. Listens on
@@ -456,6 +497,22 @@ class ucx_receiver {
   }
 
   void release(const received_segment<clock>& segment) { held_.erase(segment.handle); }
+
+  /// Pushes out the acks of every segment try_receive has handed out, so the
+  /// sender learns of their delivery even if this process exits right after
+  /// (an ack is only posted by try_receive; it may still sit behind the reply
+  /// endpoint's wireup). errc::ok when they have left this process, timeout
+  /// when the deadline passed first, peer_failure/transport_failure otherwise.
+  errc flush_acks(time_point deadline) {
+    if (broken_ != errc::ok) return broken_;
+    const ucs_status_t s = worker_.flush(deadline);
+    if (s == UCS_OK) return broken_;
+    if (s == UCS_ERR_TIMED_OUT) return errc::timeout;
+    fail(detail::ucx_errc(s), std::string("ucx_receiver: flushing acks failed: ") +
+                                  ucs_status_string(s));
+    return broken_;
+  }
+
   [[nodiscard]] std::size_t held() const noexcept { return held_.size(); }
   [[nodiscard]] errc status() const noexcept { return broken_; }
   [[nodiscard]] const std::string& last_error() const noexcept { return last_error_; }

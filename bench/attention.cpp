@@ -29,6 +29,7 @@
 #include <sys/mman.h>
 #endif
 
+#include "huge_pages.hpp"
 #include "lynx/attention/decode_attention.hpp"
 #include "lynx/backend/host/parallel.hpp"
 #include "lynx/planes/codec.hpp"
@@ -38,6 +39,9 @@
 #endif
 
 namespace {
+
+using lynx_bench::huge_page_array;
+
 
 constexpr std::int64_t q_heads = 32, kv_heads = 8, head_dim = 128;
 
@@ -99,36 +103,6 @@ float fma_loop(std::int64_t fmas) {
 // ---------------------------------------------------------------------------
 // Cases.
 // ---------------------------------------------------------------------------
-
-// A dense KV array on transparent huge pages, as a serving engine allocates its
-// cache: a token-major cache read one kv head at a time touches a new 4 KiB page
-// every 2 tokens (rows are kv_heads * head_dim * 2 bytes = 2 KiB apart), so with
-// small pages the walk is bound by page walks, not by the bytes.
-template <class T>
-class huge_page_array {
- public:
-  void resize(std::size_t n) {
-    constexpr std::size_t huge = std::size_t{2} << 20;
-    const std::size_t bytes = (n * sizeof(T) + huge - 1) / huge * huge;
-    data_.reset(static_cast<T*>(std::aligned_alloc(huge, bytes)));
-#if defined(__linux__)
-    madvise(data_.get(), bytes,
-            MADV_HUGEPAGE);  // a hint: where THP is off this stays on small pages
-#endif
-    size_ = n;
-  }
-  [[nodiscard]] std::size_t size() const { return size_; }
-  [[nodiscard]] T* data() { return data_.get(); }
-  [[nodiscard]] const T* data() const { return data_.get(); }
-  T& operator[](std::size_t i) { return data_.get()[i]; }
-
- private:
-  struct release {
-    void operator()(T* p) const { std::free(p); }
-  };
-  std::unique_ptr<T, release> data_;
-  std::size_t size_ = 0;
-};
 
 struct layer_data {
   std::int64_t tokens;

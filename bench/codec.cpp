@@ -24,6 +24,7 @@
 #include <tuple>
 #include <vector>
 
+#include "huge_pages.hpp"
 #include "lynx/backend/host/parallel.hpp"
 #include "lynx/core/buffer.hpp"
 #include "lynx/planes/codec.hpp"
@@ -42,7 +43,7 @@ std::size_t kv_bytes(std::int64_t tokens) {
 // K and V of one layer: roughly Gaussian per channel with per-channel offsets and
 // a few outlier channels, like real keys; deterministic.
 struct layer_input {
-  std::vector<lynx::bf16> keys, values;
+  lynx_bench::huge_page_array<lynx::bf16> keys, values;  // as an engine's cache is allocated
   explicit layer_input(std::int64_t tokens) {
     const auto n = static_cast<std::size_t>(tokens * kv_heads * head_dim);
     keys.resize(n);
@@ -149,8 +150,9 @@ void bm_memcpy(benchmark::State& state) {
   const int threads = resolved_threads(static_cast<int>(state.range(1)));
   const layer_input& in = input_for(tokens);
   const std::size_t half = kv_bytes(tokens) / 2;
-  lynx::aligned_buffer out(2 * half);
-  std::memset(out.data(), 1, out.size());
+  lynx_bench::huge_page_array<std::byte> out;  // as the reconstruct outputs
+  out.resize(2 * half);
+  std::memset(out.data(), 1, 2 * half);
   const auto* k = reinterpret_cast<const std::byte*>(in.keys.data());
   const auto* v = reinterpret_cast<const std::byte*>(in.values.data());
   const double seconds = timed_loop(state, [&] {
@@ -207,9 +209,12 @@ void bm_reconstruct(benchmark::State& state) {
   lynx::host_bitplane_tensor<Plan, 32> tensor(s, 0);
   for (int st = 0; st < Plan::streams; ++st) tensor.accept(encoded.segment(st));
   const auto view = tensor.view_at(Level);
-  // Outputs 64-byte aligned, as an engine's cache pages are (and as memcpy's destination).
-  lynx::aligned_buffer keys_out(in.keys.size() * sizeof(lynx::bf16)),
-      values_out(in.values.size() * sizeof(lynx::bf16));
+  // Outputs on huge pages, as an engine's cache is (and as memcpy's destination).
+  lynx_bench::huge_page_array<std::byte> keys_out, values_out;
+  keys_out.resize(in.keys.size() * sizeof(lynx::bf16));
+  values_out.resize(in.values.size() * sizeof(lynx::bf16));
+  std::memset(keys_out.data(), 0, in.keys.size() * sizeof(lynx::bf16));
+  std::memset(values_out.data(), 0, in.values.size() * sizeof(lynx::bf16));
   const auto keys = lynx::token_major(reinterpret_cast<lynx::bf16*>(keys_out.data()), s);
   const auto values = lynx::token_major(reinterpret_cast<lynx::bf16*>(values_out.data()), s);
   const lynx::reconstruct_options options{threads};

@@ -3,16 +3,22 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <new>
 #include <span>
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 
 namespace lynx {
 
 class aligned_buffer {
  public:
   static constexpr std::size_t alignment = 64;
+  static constexpr std::size_t huge_page_bytes = std::size_t{2} << 20;
 
   aligned_buffer() = default;
   explicit aligned_buffer(std::size_t bytes) : data_(allocate(bytes)), size_(bytes) {}
@@ -37,13 +43,20 @@ class aligned_buffer {
 
  private:
   struct deleter {
-    void operator()(std::byte* p) const noexcept {
-      ::operator delete[](p, std::align_val_t{alignment});
-    }
+    void operator()(std::byte* p) const noexcept { std::free(p); }
   };
+  // Buffers of 2 MiB or more are 2 MiB aligned and advised onto transparent huge
+  // pages: the codecs and the decode walk stream several sections of a segment
+  // at once, and on 4 KiB pages each needs a new page translation every few blocks.
   static std::byte* allocate(std::size_t bytes) {
     if (bytes == 0) return nullptr;
-    return static_cast<std::byte*>(::operator new[](bytes, std::align_val_t{alignment}));
+    const std::size_t align = bytes >= huge_page_bytes ? huge_page_bytes : alignment;
+    void* p = std::aligned_alloc(align, (bytes + align - 1) / align * align);
+    if (p == nullptr) throw std::bad_alloc();
+#if defined(__linux__)
+    if (align == huge_page_bytes) ::madvise(p, bytes, MADV_HUGEPAGE);  // a hint only
+#endif
+    return static_cast<std::byte*>(p);
   }
   std::unique_ptr<std::byte[], deleter> data_;
   std::size_t size_ = 0;

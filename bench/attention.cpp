@@ -42,7 +42,6 @@ namespace {
 
 using lynx_bench::huge_page_array;
 
-
 constexpr std::int64_t q_heads = 32, kv_heads = 8, head_dim = 128;
 
 // ---------------------------------------------------------------------------

@@ -19,7 +19,28 @@
 #include "lynx/core/error.hpp"
 #include "lynx/planes/layout.hpp"
 
+#if defined(LYNX_XXH3_DISPATCH) && LYNX_XXH3_DISPATCH
+// libxxhash's XXH3 with run-time SIMD dispatch (AVX2/AVX-512 where the CPU has
+// them; the same hash values as the inline XXH3). Declared here rather than
+// through <xxh_x86dispatch.h>, whose declarations turn static under XXH_INLINE_ALL.
+// CMake's lynx::xxhash links the library and defines LYNX_XXH3_DISPATCH where
+// the symbol links (cmake/Findxxhash.cmake).
+extern "C" std::uint64_t XXH3_64bits_withSeed_dispatch(const void* input, std::size_t length,
+                                                       std::uint64_t seed);
+#endif
+
 namespace lynx {
+
+namespace detail {
+/// XXH3-64 of `bytes` with `seed`: the inline XXH3 for short inputs and where
+/// no dispatching library is linked, else libxxhash's dispatch (same value).
+inline std::uint64_t xxh3_64(const void* bytes, std::size_t length, std::uint64_t seed) {
+#if defined(LYNX_XXH3_DISPATCH) && LYNX_XXH3_DISPATCH
+  if (length >= 4096) return XXH3_64bits_withSeed_dispatch(bytes, length, seed);
+#endif
+  return XXH3_64bits_withSeed(bytes, length, seed);
+}
+}  // namespace detail
 
 static_assert(std::endian::native == std::endian::little,
               "Lynx's wire format is little-endian; big-endian hosts are not supported");
@@ -97,7 +118,7 @@ inline std::uint64_t segment_checksum(const segment_header& header,
   segment_header h = header;
   h.checksum = 0;
   const std::uint64_t seed = XXH3_64bits(&h, sizeof h);
-  return XXH3_64bits_withSeed(payload.data(), payload.size(), seed);
+  return detail::xxh3_64(payload.data(), payload.size(), seed);
 }
 
 /// Writes the checksum into the header at the front of `segment` (header + payload).

@@ -131,3 +131,29 @@ TEST_CASE_TEMPLATE_DEFINE("golden checksums of the encoded segments", C, golden_
   }
 }
 TEST_CASE_TEMPLATE_APPLY(golden_id, golden_configs);
+
+TEST_CASE("segment checksums: the dispatched XXH3 gives the inline XXH3's values") {
+  // Where lynx::xxhash links libxxhash's run-time dispatch (LYNX_XXH3_DISPATCH),
+  // payloads of 4 KiB or more go through it; the checksum must stay XXH3-64.
+#if defined(LYNX_XXH3_DISPATCH) && LYNX_XXH3_DISPATCH
+  MESSAGE("checksums of 4 KiB or more use libxxhash's XXH3_64bits_withSeed_dispatch");
+#else
+  MESSAGE("no dispatching libxxhash linked: checksums use the inline XXH3 only");
+#endif
+  std::vector<unsigned char> bytes((std::size_t{3} << 20) + 64);
+  std::uint64_t x = 0x9E3779B97F4A7C15ull;
+  for (auto& b : bytes) {
+    x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+    b = static_cast<unsigned char>(x >> 56);
+  }
+  for (const std::size_t offset : {std::size_t{0}, std::size_t{1}, std::size_t{63}})
+    for (const std::size_t length :
+         {std::size_t{0}, std::size_t{1}, std::size_t{240}, std::size_t{4095}, std::size_t{4096},
+          std::size_t{4097}, std::size_t{65536 + 13}, std::size_t{3} << 20}) {
+      const std::uint64_t seed = length * 31 + offset;
+      CAPTURE(offset);
+      CAPTURE(length);
+      CHECK(lynx::detail::xxh3_64(bytes.data() + offset, length, seed) ==
+            XXH3_64bits_withSeed(bytes.data() + offset, length, seed));
+    }
+}

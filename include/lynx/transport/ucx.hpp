@@ -245,8 +245,7 @@ class ucx_sender {
           !UCS_PTR_IS_ERR(r), detail::ucx_errc(UCS_PTR_STATUS(r)),
           std::string("ucx_sender: connecting failed: ") + ucs_status_string(UCS_PTR_STATUS(r)));
       if (r == nullptr) continue;
-      while (ucp_request_check_status(r) == UCS_INPROGRESS && clock::now() < deadline &&
-             !settle())
+      while (ucp_request_check_status(r) == UCS_INPROGRESS && clock::now() < deadline && !settle())
         worker_.wait(deadline);
       const ucs_status_t s = ucp_request_check_status(r);
       if (s == UCS_INPROGRESS) ucp_request_cancel(worker_.get(), r);
@@ -254,8 +253,7 @@ class ucx_sender {
       detail::require(s != UCS_INPROGRESS, errc::timeout,
                       "ucx_sender: " + host + ":" + std::to_string(port) +
                           " not connected before the deadline");
-      detail::require(s == UCS_OK && !settle(),
-                      s == UCS_OK ? broken_ : detail::ucx_errc(s),
+      detail::require(s == UCS_OK && !settle(), s == UCS_OK ? broken_ : detail::ucx_errc(s),
                       std::string("ucx_sender: connecting to ") + host + ":" +
                           std::to_string(port) + " failed: " + ucs_status_string(s));
     }
@@ -508,8 +506,8 @@ class ucx_receiver {
     const ucs_status_t s = worker_.flush(deadline);
     if (s == UCS_OK) return broken_;
     if (s == UCS_ERR_TIMED_OUT) return errc::timeout;
-    fail(detail::ucx_errc(s), std::string("ucx_receiver: flushing acks failed: ") +
-                                  ucs_status_string(s));
+    fail(detail::ucx_errc(s),
+         std::string("ucx_receiver: flushing acks failed: ") + ucs_status_string(s));
     return broken_;
   }
 

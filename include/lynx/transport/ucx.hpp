@@ -155,7 +155,12 @@ class ucx_worker {
   /// first (the flush is then cancelled), another status when the flush failed.
   ucs_status_t flush(std::chrono::steady_clock::time_point deadline) {
     ucp_request_param_t p{};
-    void* r = ucp_worker_flush_nbx(worker_, &p);
+    return finish(ucp_worker_flush_nbx(worker_, &p), deadline);
+  }
+
+  /// Waits for a request from a *_nbx call until it completes or the deadline
+  /// passes (then cancels it: UCS_ERR_TIMED_OUT), frees it, returns its status.
+  ucs_status_t finish(void* r, std::chrono::steady_clock::time_point deadline) {
     if (r == nullptr) return UCS_OK;
     if (UCS_PTR_IS_ERR(r)) return UCS_PTR_STATUS(r);
     while (ucp_request_check_status(r) == UCS_INPROGRESS &&
@@ -175,13 +180,7 @@ class ucx_worker {
     ucp_request_param_t p{};
     p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
     p.flags = force ? UCP_EP_CLOSE_FLAG_FORCE : 0;
-    void* r = ucp_ep_close_nbx(ep, &p);
-    if (r == nullptr || UCS_PTR_IS_ERR(r)) return;
-    while (ucp_request_check_status(r) == UCS_INPROGRESS &&
-           std::chrono::steady_clock::now() < deadline)
-      wait(deadline);
-    if (ucp_request_check_status(r) == UCS_INPROGRESS) ucp_request_cancel(worker_, r);
-    ucp_request_free(r);
+    finish(ucp_ep_close_nbx(ep, &p), deadline);
   }
 
  private:
@@ -253,7 +252,8 @@ class ucx_sender {
       detail::require(s != UCS_INPROGRESS, errc::timeout,
                       "ucx_sender: " + host + ":" + std::to_string(port) +
                           " not connected before the deadline");
-      detail::require(s == UCS_OK && !settle(), s == UCS_OK ? broken_ : detail::ucx_errc(s),
+      const bool failed = s != UCS_OK || settle();  // settled before broken_ is read below
+      detail::require(!failed, s == UCS_OK ? broken_ : detail::ucx_errc(s),
                       std::string("ucx_sender: connecting to ") + host + ":" +
                           std::to_string(port) + " failed: " + ucs_status_string(s));
     }

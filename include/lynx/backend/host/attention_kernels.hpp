@@ -65,6 +65,34 @@ inline bool host_has_gfni() {
 #endif
 }
 
+/// Software prefetches spread over a kernel's inner loop, one 64-byte line per
+/// step, over up to 6 byte ranges in order. This CPU drops most of a burst of
+/// prefetches issued back to back (a split's 1,536 lines asked for at once
+/// arrive no sooner than without asking); one line every few multiply-adds all
+/// arrive. Prefetches never change a result.
+struct prefetch_walk {
+  static constexpr int max_ranges = 6;
+  const char* at[max_ranges] = {};
+  const char* end[max_ranges] = {};
+  int ranges = 0, current = 0;
+  void add(const void* base, std::int64_t bytes) {
+    if (bytes <= 0 || ranges == max_ranges) return;
+    const char* p = static_cast<const char*>(base);
+    at[ranges] =
+        reinterpret_cast<const char*>(reinterpret_cast<std::uintptr_t>(p) & ~std::uintptr_t{63});
+    end[ranges] = p + bytes;
+    ++ranges;
+  }
+  __attribute__((always_inline)) void step() {
+    if (current == ranges) return;
+#if defined(__GNUC__) || defined(__clang__)
+    __builtin_prefetch(at[current], 0, 3);
+#endif
+    at[current] += 64;
+    if (at[current] >= end[current]) ++current;
+  }
+};
+
 /// A bit-plane prompt at `planes` planes of Plan::bits.
 template <stream_plan_type Plan, int G>
 struct plane_kv_source {
@@ -133,6 +161,33 @@ struct plane_kv_source {
 #else
     (void)keys, (void)h, (void)t0, (void)t1, (void)part, (void)parts;
 #endif
+  }
+  /// Adds to `walk` everything one split [t0, t1) of kv head h reads, keys or
+  /// values, in the order the kernels read it: scales and zeros, then plane words.
+  void walk_split(prefetch_walk& walk, bool keys, std::int64_t h, std::int64_t t0,
+                  std::int64_t t1) const {
+    if (t1 <= t0) return;
+    const layer_geometry& g = view.geometry;
+    if (keys) {
+      const std::int64_t k0 = (h * g.key_token_groups() + t0 / g.key_group) * g.head_dim,
+                         k1 = (h * g.key_token_groups() + (t1 - 1) / g.key_group + 1) * g.head_dim;
+      walk.add(view.key_scale() + k0, (k1 - k0) * 4);
+      walk.add(view.key_zero() + k0, (k1 - k0) * 4);
+    } else {
+      const std::int64_t groups = g.value_channel_groups();
+      const std::int64_t v0 = (h * g.tokens + t0) * groups, v1 = (h * g.tokens + t1) * groups;
+      walk.add(view.value_scale() + v0, (v1 - v0) * 4);
+      walk.add(view.value_zero() + v0, (v1 - v0) * 4);
+    }
+    const std::int64_t b0 = t0 / tokens_per_word, b1 = (t1 + tokens_per_word - 1) / tokens_per_word;
+    int j = 0;
+    for (int st = 0; j < planes; ++st) {
+      const int n = std::min(g.planes_in(st), planes - j);
+      const std::uint32_t* base = keys ? view.key_planes(st) : view.value_planes(st);
+      walk.add(base + g.word_index(st, h, b0, 0, 0),
+               ((b1 - b0 - 1) * g.planes_in(st) + n) * g.head_dim * 4);
+      j += n;
+    }
   }
   [[nodiscard]] float level_unit() const { return static_cast<float>(1u << (Plan::bits - planes)); }
   [[nodiscard]] float half() const { return midpoint_offset<Plan::bits>(planes); }
@@ -737,10 +792,12 @@ LYNX_ATTENTION_GFNI_INLINE void decode_chunk_gfni(const std::uint32_t* const* ro
 /// registers (no tile in memory) and multiplying right away; each head's two
 /// token halves accumulate in channel order, exactly as score_block_avx512.
 /// Any head_dim: a last chunk of D % 16 channels reads only those channels.
+/// `walk` advances one line per channel.
 template <int HC>
 LYNX_ATTENTION_GFNI_TARGET inline void score_block_fused_gfni(const std::uint32_t* const* rows,
                                                               int planes, int D, const float* qs,
-                                                              const float* bias, float* out) {
+                                                              const float* bias, float* out,
+                                                              prefetch_walk& walk) {
   __m512i zext[4];
   token_byte_zext_gfni(zext);
   __m512 a[HC][2];
@@ -749,7 +806,9 @@ LYNX_ATTENTION_GFNI_TARGET inline void score_block_fused_gfni(const std::uint32_
     const float* qs;
     int D, c0;
     __m512 (*a)[2];
+    prefetch_walk& walk;
     LYNX_ATTENTION_GFNI_INLINE void operator()(int i, const __m512* k) const {
+      walk.step();
       for (int h = 0; h < HC; ++h) {
         const __m512 qv = _mm512_set1_ps(qs[h * D + c0 + i]);
         a[h][0] = _mm512_fmadd_ps(qv, k[0], a[h][0]);
@@ -759,8 +818,8 @@ LYNX_ATTENTION_GFNI_TARGET inline void score_block_fused_gfni(const std::uint32_
   };
   int c0 = 0;
   for (; c0 + 16 <= D; c0 += 16)
-    decode_chunk_gfni(rows, planes, c0, 16, zext, accumulate{qs, D, c0, a});
-  if (c0 < D) decode_chunk_gfni(rows, planes, c0, D - c0, zext, accumulate{qs, D, c0, a});
+    decode_chunk_gfni(rows, planes, c0, 16, zext, accumulate{qs, D, c0, a, walk});
+  if (c0 < D) decode_chunk_gfni(rows, planes, c0, D - c0, zext, accumulate{qs, D, c0, a, walk});
   for (int h = 0; h < HC; ++h) {
     const __m512 b = _mm512_set1_ps(bias[h]);
     _mm512_storeu_ps(out + h * attention_split_tokens, _mm512_add_ps(a[h][0], b));
@@ -827,11 +886,14 @@ LYNX_ATTENTION_GFNI_INLINE void token_major_codes_gfni(const std::uint32_t* cons
 /// weights: [HC][groups][S] at the first block's first token, already times
 /// 2^-(decoded_bits - P) (the codes here are prefix << (decoded_bits - P)).
 /// rows0[j]: plane j's words of the first block; stride[j]: words to the next block.
-template <int HC, int NC, bool TwoBytes>
+/// OneGroup: the NC chunks lie in one value group, so each head's weight is
+/// broadcast once per token for all of them (the same values, the same bits).
+/// `walk` advances one line per token.
+template <int HC, int NC, bool TwoBytes, bool OneGroup>
 LYNX_ATTENTION_GFNI_TARGET void add_values_token_major_gfni(
     const std::uint32_t* const* rows0, const std::int64_t* stride, std::int64_t nblocks, int planes,
     int c0, int channels, std::int64_t VG, const float* weights, std::int64_t groups,
-    std::int64_t head_stride /*floats between heads in acc*/, float* acc) {
+    std::int64_t head_stride /*floats between heads in acc*/, float* acc, prefetch_walk& walk) {
   __m512 sum[HC][NC];
   for (int h = 0; h < HC; ++h)
     for (int n = 0; n < NC; ++n) sum[h][n] = _mm512_setzero_ps();
@@ -858,6 +920,7 @@ LYNX_ATTENTION_GFNI_TARGET void add_values_token_major_gfni(
     for (int q = 0; q < 4; ++q)
       for (int r = 0; r < 8; ++r) {
         const int t = 8 * q + r;
+        walk.step();
         __m512 code[NC];
         for (int n = 0; n < NC; ++n) {
           __m512i x = _mm512_maskz_permutexvar_epi8(gfni_low_bytes, zext[q], hi[n][r]);
@@ -866,9 +929,15 @@ LYNX_ATTENTION_GFNI_TARGET void add_values_token_major_gfni(
                                 _mm512_maskz_permutexvar_epi8(gfni_low_bytes, zext[q], lo[n][r]));
           code[n] = _mm512_cvtepi32_ps(x);
         }
-        for (int h = 0; h < HC; ++h)
-          for (int n = 0; n < NC; ++n)
-            sum[h][n] = _mm512_fmadd_ps(_mm512_set1_ps(wn[h][n][tb + t]), code[n], sum[h][n]);
+        for (int h = 0; h < HC; ++h) {
+          if constexpr (OneGroup) {
+            const __m512 wv = _mm512_set1_ps(wn[h][0][tb + t]);
+            for (int n = 0; n < NC; ++n) sum[h][n] = _mm512_fmadd_ps(wv, code[n], sum[h][n]);
+          } else {
+            for (int n = 0; n < NC; ++n)
+              sum[h][n] = _mm512_fmadd_ps(_mm512_set1_ps(wn[h][n][tb + t]), code[n], sum[h][n]);
+          }
+        }
       }
   }
   for (int h = 0; h < HC; ++h)
@@ -932,6 +1001,11 @@ LYNX_ATTENTION_AVX512_TARGET void score_tokens_avx512(const plane_kv_source<Plan
                         half, w.qs + slot * heads * D, w.bias + slot * heads);
     folded[slot] = grp;
   };
+  // The GFNI path asks for this split's values (walked after the scores) one
+  // line per channel scored; accumulate_values_avx512 then asks for the next
+  // split's keys. The other path asks L2 for both in slices, block by block.
+  prefetch_walk walk;
+  if (gfni) src.walk_split(walk, false, kv_head, t0, t1);
   for (std::int64_t b = t0 / attention_block_tokens; b * attention_block_tokens < t1; ++b) {
     const std::int64_t tb = b * attention_block_tokens;
     const std::int64_t grp = tb / G;  // G % 32 == 0: one key group per block
@@ -939,7 +1013,7 @@ LYNX_ATTENTION_AVX512_TARGET void score_tokens_avx512(const plane_kv_source<Plan
     if (tb + attention_block_tokens < t1) fold((tb + attention_block_tokens) / G);
     const float* qs = w.qs + (grp & 1) * heads * D;
     const float* bias = w.bias + (grp & 1) * heads;
-    {  // this split's values (walked after the scores) and the next split's keys, into L2
+    if (!gfni) {
       const int part = static_cast<int>(b - t0 / attention_block_tokens);
       src.prefetch_split_slice(false, kv_head, t0, t1, part, nb);
       if (next.t1 > next.t0)
@@ -960,7 +1034,7 @@ LYNX_ATTENTION_AVX512_TARGET void score_tokens_avx512(const plane_kv_source<Plan
       for (int h = 0; h < heads; h += 8)
         dispatch<1, 2, 3, 4, 5, 6, 7, 8>(std::min(8, heads - h), [&]<int HC>() {
           score_block_fused_gfni<HC>(rows, src.planes, D, qs + h * D, bias + h,
-                                     out + h * attention_split_tokens);
+                                     out + h * attention_split_tokens, walk);
         });
       continue;
     }
@@ -979,7 +1053,8 @@ template <stream_plan_type Plan, int G>
 LYNX_ATTENTION_AVX512_TARGET void accumulate_values_avx512(const plane_kv_source<Plan, G>& src,
                                                            std::int64_t kv_head, int heads,
                                                            std::int64_t t0, std::int64_t t1,
-                                                           float* acc, const split_scratch& w) {
+                                                           float* acc, const split_scratch& w,
+                                                           const next_split& next = {}) {
   const layer_geometry& g = src.view.geometry;
   const int D = static_cast<int>(g.head_dim);
   const std::int64_t groups = g.value_channel_groups(), VG = g.value_group;
@@ -990,17 +1065,19 @@ LYNX_ATTENTION_AVX512_TARGET void accumulate_values_avx512(const plane_kv_source
   const std::int64_t b0 = t0 / attention_block_tokens,
                      nblocks = (t1 + attention_block_tokens - 1) / attention_block_tokens - b0;
   const std::uint32_t* rows[16];
-  const std::uint32_t* next[16];
+  const std::uint32_t* second[16];
   std::int64_t stride[16] = {};
   src.block_rows(false, kv_head, b0, rows);
   if (nblocks > 1) {  // blocks of a kv head are evenly spaced in each stream's section
-    src.block_rows(false, kv_head, b0 + 1, next);
-    for (int j = 0; j < src.planes; ++j) stride[j] = next[j] - rows[j];
+    src.block_rows(false, kv_head, b0 + 1, second);
+    for (int j = 0; j < src.planes; ++j) stride[j] = second[j] - rows[j];
   }
   for (std::int64_t k = 0; k < prefetch_blocks && k < nblocks; ++k)
     src.prefetch_block(false, kv_head, b0 + k);
   const float* wts = w.weights + (b0 * attention_block_tokens - t0);
   const bool two = src.planes > 8;
+  prefetch_walk walk;  // the next split's keys, one line per token step
+  src.walk_split(walk, true, next.kv_head, next.t0, next.t1);
   for (int h0 = 0; h0 < heads;) {
     // 4, 2 or 1 heads at a time, with 32 (4 heads) or 64 channels per pass where the head_dim
     // allows (at least 8 independent sums), else 16
@@ -1012,12 +1089,17 @@ LYNX_ATTENTION_AVX512_TARGET void accumulate_values_avx512(const plane_kv_source
       for (int c0 = 0; c0 < D;) {
         const int rest = D - c0;
         auto pass = [&]<int N>() {
+          const bool one_group = N > 1 && c0 % (16 * N) == 0 && VG % (16 * N) == 0;
+          auto run = [&]<bool Two, bool One>() {
+            add_values_token_major_gfni<HC, N, Two, One>(rows, stride, nblocks, src.planes, c0,
+                                                         rest, VG, wh, groups, D, ah, walk);
+          };
           if (two)
-            add_values_token_major_gfni<HC, N, true>(rows, stride, nblocks, src.planes, c0, rest,
-                                                     VG, wh, groups, D, ah);
+            one_group ? run.template operator()<true, true>()
+                      : run.template operator()<true, false>();
           else
-            add_values_token_major_gfni<HC, N, false>(rows, stride, nblocks, src.planes, c0, rest,
-                                                      VG, wh, groups, D, ah);
+            one_group ? run.template operator()<false, true>()
+                      : run.template operator()<false, false>();
           c0 += 16 * N;
         };
         if (rest >= 16 * NC)
@@ -1415,7 +1497,10 @@ void compute_split(const Source& src, std::int64_t kv_head, const float* q, int 
   }
 #if LYNX_ATTENTION_AVX512
   if (simd) {
-    accumulate_values_avx512(src, kv_head, heads, t0, t1, acc, w);
+    if constexpr (requires { src.view; })
+      accumulate_values_avx512(src, kv_head, heads, t0, t1, acc, w, next);
+    else
+      accumulate_values_avx512(src, kv_head, heads, t0, t1, acc, w);
     return;
   }
 #endif

@@ -65,31 +65,49 @@ inline bool host_has_gfni() {
 #endif
 }
 
-/// Software prefetches spread over a kernel's inner loop, one 64-byte line per
-/// step, over up to 6 byte ranges in order. This CPU drops most of a burst of
-/// prefetches issued back to back (a split's 1,536 lines asked for at once
-/// arrive no sooner than without asking); one line every few multiply-adds all
-/// arrive. Prefetches never change a result.
+/// Software prefetches spread over a kernel's inner loop, `Lines` 64-byte
+/// lines per step, over up to 6 byte ranges in order. This CPU drops most of a
+/// burst of prefetches issued back to back (a split's 1,536 lines asked for at
+/// once arrive no sooner than without asking); one line every few multiply-adds
+/// all arrive. The kernels step once per channel (scores) or token (values),
+/// about twice as many steps as lines in the split they ask for with 1 line
+/// per step up to 8 planes, and 2 above. Prefetches never change a result.
 struct prefetch_walk {
   static constexpr int max_ranges = 6;
-  const char* at[max_ranges] = {};
-  const char* end[max_ranges] = {};
-  int ranges = 0, current = 0;
+  const char* at = nullptr;    // the next line of the current range
+  const char* stop = nullptr;  // the end of the current range
+  const char* queued_at[max_ranges] = {};
+  const char* queued_end[max_ranges] = {};
+  int queued = 0, taken = 0;
   void add(const void* base, std::int64_t bytes) {
-    if (bytes <= 0 || ranges == max_ranges) return;
+    if (bytes <= 0 || queued == max_ranges) return;
     const char* p = static_cast<const char*>(base);
-    at[ranges] =
+    queued_at[queued] =
         reinterpret_cast<const char*>(reinterpret_cast<std::uintptr_t>(p) & ~std::uintptr_t{63});
-    end[ranges] = p + bytes;
-    ++ranges;
+    queued_end[queued] = p + bytes;
+    ++queued;
+    if (at >= stop) next_range();
   }
+  void next_range() {
+    if (taken == queued) return;
+    at = queued_at[taken];
+    stop = queued_end[taken];
+    ++taken;
+  }
+  template <int Lines = 1>
   __attribute__((always_inline)) void step() {
-    if (current == ranges) return;
+    for (int k = 0; k < Lines; ++k) {
+      if (at < stop) [[likely]] {
 #if defined(__GNUC__) || defined(__clang__)
-    __builtin_prefetch(at[current], 0, 3);
+        __builtin_prefetch(at, 0, 3);
 #endif
-    at[current] += 64;
-    if (at[current] >= end[current]) ++current;
+        at += 64;
+      } else if (taken < queued) {
+        next_range();
+      } else {
+        return;
+      }
+    }
   }
 };
 
@@ -227,7 +245,8 @@ inline std::int64_t split_scratch_floats(std::int64_t heads, std::int64_t head_d
                                          std::int64_t value_groups) {
   const std::int64_t S = attention_split_tokens;
   return heads * S + 2 * heads * head_dim + 2 * heads + heads * value_groups * S +
-         heads * value_groups + head_dim * attention_block_tokens + heads * head_dim + 8 * 16;
+         heads * value_groups + head_dim * attention_block_tokens + heads * head_dim + 8 * 16 +
+         1024;  // + the shift of `weights` (carve_scratch)
 }
 
 inline split_scratch carve_scratch(float* base, std::int64_t heads, std::int64_t head_dim,
@@ -241,7 +260,12 @@ inline split_scratch carve_scratch(float* base, std::int64_t heads, std::int64_t
   s.scores = align(base);
   s.qs = align(s.scores + heads * S);
   s.bias = align(s.qs + 2 * heads * head_dim);
+  // Rows of scores and weights are 4 KiB apart; value_weights loads scores
+  // while it stores weights at the same offsets, so `weights` starts 2 KiB
+  // off `scores` modulo 4 KiB: loads never wait on a store that only shares
+  // their low 12 address bits (4K aliasing).
   s.weights = align(s.bias + 2 * heads);
+  s.weights += ((s.scores - s.weights) % 1024 + 1024 + 512) % 1024;
   s.offsets = align(s.weights + heads * value_groups * S);
   s.tile = align(s.offsets + heads * value_groups);
   s.queries = align(s.tile + head_dim * attention_block_tokens);
@@ -343,7 +367,11 @@ void accumulate_values_portable(const plane_kv_source<Plan, G>& src, std::int64_
       }
   }
   for (int h = 0; h < heads; ++h)
-    for (int c = 0; c < D; ++c) acc[h * D + c] += w.offsets[h * groups + c / VG];
+    for (std::int64_t gi = 0; gi < groups; ++gi) {
+      const float off = w.offsets[h * groups + gi];
+      float* a = acc + h * D;
+      for (std::int64_t c = gi * VG; c < std::min<std::int64_t>(D, (gi + 1) * VG); ++c) a[c] += off;
+    }
 }
 
 /// Lane of channel c in a dense score: c mod 16 for float keys; for bf16 keys
@@ -544,11 +572,14 @@ LYNX_ATTENTION_AVX512_TARGET inline __m512 group_column_avx512(const float* rows
 }
 
 /// value_weights_avx512 for heads [h0, h0 + hn) and groups [g0, g0 + gn), hn <= HN, gn <= GN
-/// (constants where the caller passes constants, so the lanes stay in registers).
+/// (the loops run to the constants HN, GN, so the lanes stay in registers).
 template <int HN, int GN>
 LYNX_ATTENTION_AVX512_TARGET inline void value_weights_tile_avx512(
     const float* vs, const float* vz, std::int64_t groups, int h0, int hn, std::int64_t g0, int gn,
     std::int64_t t0, std::int64_t n, __m512 u, __m512 hv, __m512i stride, const split_scratch& w) {
+  // local copies: the stores below cannot change them
+  const float* const scores = w.scores;
+  float* const weights = w.weights;
   __m512 lanes[HN][GN];
   for (int h = 0; h < HN; ++h)
     for (int k = 0; k < GN; ++k) lanes[h][k] = _mm512_setzero_ps();
@@ -557,9 +588,13 @@ LYNX_ATTENTION_AVX512_TARGET inline void value_weights_tile_avx512(
         n - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - i)) - 1u);
     const bool whole = live == static_cast<__mmask16>(0xFFFF);
     __m512 p[HN];
-    for (int h = 0; h < hn; ++h)
-      p[h] = _mm512_maskz_loadu_ps(live, w.scores + (h0 + h) * attention_split_tokens + i);
-    for (int k = 0; k < gn; ++k) {
+#pragma GCC unroll 8
+    for (int h = 0; h < HN; ++h)
+      p[h] = h < hn ? _mm512_maskz_loadu_ps(live, scores + (h0 + h) * attention_split_tokens + i)
+                    : _mm512_setzero_ps();
+#pragma GCC unroll 8
+    for (int k = 0; k < GN; ++k) {
+      if (k >= gn) break;
       const std::int64_t grp = g0 + k;
       const float* base_s = vs + (t0 + i) * groups + grp;
       const float* base_z = vz + (t0 + i) * groups + grp;
@@ -570,8 +605,10 @@ LYNX_ATTENTION_AVX512_TARGET inline void value_weights_tile_avx512(
           whole ? group_column_avx512(base_z - grp, groups, grp, stride)
                 : _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, stride, base_z, 4);
       const __m512 su = _mm512_mul_ps(sc, u), off = _mm512_fmadd_ps(sc, hv, zr);
-      for (int h = 0; h < hn; ++h) {
-        _mm512_mask_storeu_ps(w.weights + ((h0 + h) * groups + grp) * attention_split_tokens + i,
+#pragma GCC unroll 8
+      for (int h = 0; h < HN; ++h) {
+        if (h >= hn) break;
+        _mm512_mask_storeu_ps(weights + ((h0 + h) * groups + grp) * attention_split_tokens + i,
                               live, _mm512_mul_ps(p[h], su));
         lanes[h][k] = _mm512_mask_add_ps(lanes[h][k], live, lanes[h][k], _mm512_mul_ps(p[h], off));
       }
@@ -763,22 +800,25 @@ inline constexpr __mmask64 gfni_low_bytes = 0x1111111111111111ull;
 
 /// Codes of `cn` (<= 16) channels c0 + i of one block, as floats (lane = token,
 /// k[i][0]: tokens 0-15, k[i][1]: tokens 16-31), each channel handed to `use(i, k)`
-/// in channel order. cn is a constant in the full-chunk loops, so the bounds fold away.
-template <class Use>
+/// in channel order. Two: more than 8 planes (a low byte too). cn is a constant
+/// in the full-chunk calls, so the loops unroll and the bounds fold away.
+template <bool Two, class Use>
 LYNX_ATTENTION_GFNI_INLINE void decode_chunk_gfni(const std::uint32_t* const* rows, int planes,
                                                   int c0, int cn, const __m512i zext[4],
                                                   Use&& use) {
   __m512i hi[2][2][2], lo[2][2][2];
-  transpose_planes_gfni(rows, 0, planes < 8 ? planes : 8, c0, cn, hi);
-  if (planes > 8) transpose_planes_gfni(rows, 8, planes - 8, c0, cn, lo);
+  transpose_planes_gfni(rows, 0, Two ? 8 : planes, c0, cn, hi);
+  if constexpr (Two) transpose_planes_gfni(rows, 8, planes - 8, c0, cn, lo);
+#pragma GCC unroll 4
   for (int L = 0; L < 4; ++L)
+#pragma GCC unroll 4
     for (int m = 0; m < 4; ++m) {
       if (4 * L + m >= cn) return;
       __m512 k[2];
       for (int s3 = 0; s3 < 2; ++s3) {
         __m512i code =
             _mm512_maskz_permutexvar_epi8(gfni_low_bytes, zext[L], hi[m >> 1][m & 1][s3]);
-        if (planes > 8)
+        if constexpr (Two)
           code = _mm512_or_si512(
               _mm512_slli_epi32(code, 8),
               _mm512_maskz_permutexvar_epi8(gfni_low_bytes, zext[L], lo[m >> 1][m & 1][s3]));
@@ -792,39 +832,46 @@ LYNX_ATTENTION_GFNI_INLINE void decode_chunk_gfni(const std::uint32_t* const* ro
 /// registers (no tile in memory) and multiplying right away; each head's two
 /// token halves accumulate in channel order, exactly as score_block_avx512.
 /// Any head_dim: a last chunk of D % 16 channels reads only those channels.
-/// `walk` advances one line per channel.
-template <int HC>
+/// Two: more than 8 planes. `walk` steps once per channel.
+template <int HC, bool Two>
 LYNX_ATTENTION_GFNI_TARGET inline void score_block_fused_gfni(const std::uint32_t* const* rows,
                                                               int planes, int D, const float* qs,
                                                               const float* bias, float* out,
-                                                              prefetch_walk& walk) {
+                                                              prefetch_walk& walk_io) {
+  prefetch_walk walk = walk_io;  // a local copy: its cursor stays in registers
   __m512i zext[4];
   token_byte_zext_gfni(zext);
   __m512 a[HC][2];
   for (int h = 0; h < HC; ++h) a[h][0] = a[h][1] = _mm512_setzero_ps();
   struct accumulate {
-    const float* qs;
-    int D, c0;
+    const float* const* qh;  // head h's query at channel c0
     __m512 (*a)[2];
     prefetch_walk& walk;
     LYNX_ATTENTION_GFNI_INLINE void operator()(int i, const __m512* k) const {
-      walk.step();
+      if (i % 2 == 0) walk.step<Two ? 3 : 1>();
       for (int h = 0; h < HC; ++h) {
-        const __m512 qv = _mm512_set1_ps(qs[h * D + c0 + i]);
+        const __m512 qv = _mm512_set1_ps(qh[h][i]);
         a[h][0] = _mm512_fmadd_ps(qv, k[0], a[h][0]);
         a[h][1] = _mm512_fmadd_ps(qv, k[1], a[h][1]);
       }
     }
   };
+  // one pointer per head, advanced by 16 channels per chunk: the broadcasts
+  // address a register plus a constant
+  const float* qh[HC];
+  for (int h = 0; h < HC; ++h) qh[h] = qs + h * D;
   int c0 = 0;
-  for (; c0 + 16 <= D; c0 += 16)
-    decode_chunk_gfni(rows, planes, c0, 16, zext, accumulate{qs, D, c0, a, walk});
-  if (c0 < D) decode_chunk_gfni(rows, planes, c0, D - c0, zext, accumulate{qs, D, c0, a, walk});
+  for (; c0 + 16 <= D; c0 += 16) {
+    decode_chunk_gfni<Two>(rows, planes, c0, 16, zext, accumulate{qh, a, walk});
+    for (int h = 0; h < HC; ++h) qh[h] += 16;
+  }
+  if (c0 < D) decode_chunk_gfni<Two>(rows, planes, c0, D - c0, zext, accumulate{qh, a, walk});
   for (int h = 0; h < HC; ++h) {
     const __m512 b = _mm512_set1_ps(bias[h]);
     _mm512_storeu_ps(out + h * attention_split_tokens, _mm512_add_ps(a[h][0], b));
     _mm512_storeu_ps(out + h * attention_split_tokens + 16, _mm512_add_ps(a[h][1], b));
   }
+  walk_io = walk;
 }
 
 /// Token-major codes of one 32-token block for 16 channels c0..c0+15, from
@@ -888,12 +935,13 @@ LYNX_ATTENTION_GFNI_INLINE void token_major_codes_gfni(const std::uint32_t* cons
 /// rows0[j]: plane j's words of the first block; stride[j]: words to the next block.
 /// OneGroup: the NC chunks lie in one value group, so each head's weight is
 /// broadcast once per token for all of them (the same values, the same bits).
-/// `walk` advances one line per token.
+/// `walk` steps once per token.
 template <int HC, int NC, bool TwoBytes, bool OneGroup>
 LYNX_ATTENTION_GFNI_TARGET void add_values_token_major_gfni(
     const std::uint32_t* const* rows0, const std::int64_t* stride, std::int64_t nblocks, int planes,
     int c0, int channels, std::int64_t VG, const float* weights, std::int64_t groups,
-    std::int64_t head_stride /*floats between heads in acc*/, float* acc, prefetch_walk& walk) {
+    std::int64_t head_stride /*floats between heads in acc*/, float* acc, prefetch_walk& walk_io) {
+  prefetch_walk walk = walk_io;  // a local copy: its cursor stays in registers
   __m512 sum[HC][NC];
   for (int h = 0; h < HC; ++h)
     for (int n = 0; n < NC; ++n) sum[h][n] = _mm512_setzero_ps();
@@ -920,7 +968,7 @@ LYNX_ATTENTION_GFNI_TARGET void add_values_token_major_gfni(
     for (int q = 0; q < 4; ++q)
       for (int r = 0; r < 8; ++r) {
         const int t = 8 * q + r;
-        walk.step();
+        if (r % 2 == 0) walk.step<TwoBytes ? 3 : 1>();
         __m512 code[NC];
         for (int n = 0; n < NC; ++n) {
           __m512i x = _mm512_maskz_permutexvar_epi8(gfni_low_bytes, zext[q], hi[n][r]);
@@ -950,6 +998,7 @@ LYNX_ATTENTION_GFNI_TARGET void add_values_token_major_gfni(
       else
         _mm512_mask_storeu_ps(o, static_cast<__mmask16>((1u << cn) - 1u), sum[h][n]);
     }
+  walk_io = walk;
 }
 
 /// scores of up to 4 heads against one decoded key block: s = bias + sum_c qs[c] * code[c], channel
@@ -1033,8 +1082,12 @@ LYNX_ATTENTION_AVX512_TARGET void score_tokens_avx512(const plane_kv_source<Plan
     if (gfni) {  // the GFNI decoder: fused, 8 heads at a time
       for (int h = 0; h < heads; h += 8)
         dispatch<1, 2, 3, 4, 5, 6, 7, 8>(std::min(8, heads - h), [&]<int HC>() {
-          score_block_fused_gfni<HC>(rows, src.planes, D, qs + h * D, bias + h,
-                                     out + h * attention_split_tokens, walk);
+          if (src.planes > 8)
+            score_block_fused_gfni<HC, true>(rows, src.planes, D, qs + h * D, bias + h,
+                                             out + h * attention_split_tokens, walk);
+          else
+            score_block_fused_gfni<HC, false>(rows, src.planes, D, qs + h * D, bias + h,
+                                              out + h * attention_split_tokens, walk);
         });
       continue;
     }
@@ -1076,7 +1129,7 @@ LYNX_ATTENTION_AVX512_TARGET void accumulate_values_avx512(const plane_kv_source
     src.prefetch_block(false, kv_head, b0 + k);
   const float* wts = w.weights + (b0 * attention_block_tokens - t0);
   const bool two = src.planes > 8;
-  prefetch_walk walk;  // the next split's keys, one line per token step
+  prefetch_walk walk;  // the next split's keys, one step per token of each pass below
   src.walk_split(walk, true, next.kv_head, next.t0, next.t1);
   for (int h0 = 0; h0 < heads;) {
     // 4, 2 or 1 heads at a time, with 32 (4 heads) or 64 channels per pass where the head_dim

@@ -507,21 +507,25 @@ LYNX_ATTENTION_AVX512_TARGET inline void fold_queries_avx512(const float* q, int
   const __m512 u = _mm512_set1_ps(unit), hv = _mm512_set1_ps(half);
   for (int h0 = 0; h0 < heads; h0 += 8) {
     const int hn = heads - h0 < 8 ? heads - h0 : 8;
-    __m512 lane[8];
-    for (int h = 0; h < hn; ++h) lane[h] = _mm512_setzero_ps();
+    __m512 lane[8];  // constant bounds and guards below: the lanes stay in registers
+    for (int h = 0; h < 8; ++h) lane[h] = _mm512_setzero_ps();
     for (int c = 0; c < D; c += 16) {
       const __mmask16 k = D - c >= 16 ? static_cast<__mmask16>(0xFFFF)
                                       : static_cast<__mmask16>((1u << (D - c)) - 1u);
       const __m512 sc = _mm512_maskz_loadu_ps(k, scale + c);
       const __m512 su = _mm512_mul_ps(sc, u),
                    off = _mm512_fmadd_ps(sc, hv, _mm512_maskz_loadu_ps(k, zero + c));
-      for (int h = 0; h < hn; ++h) {
+#pragma GCC unroll 8
+      for (int h = 0; h < 8; ++h) {
+        if (h >= hn) break;
         const __m512 qv = _mm512_maskz_loadu_ps(k, q + (h0 + h) * D + c);
         _mm512_mask_storeu_ps(qs + (h0 + h) * D + c, k, _mm512_mul_ps(qv, su));
         lane[h] = _mm512_mask3_fmadd_ps(qv, off, lane[h], k);
       }
     }
-    for (int h = 0; h < hn; ++h) {  // l += l+8, l += l+4, l += l+2, l += l+1
+#pragma GCC unroll 8
+    for (int h = 0; h < 8; ++h) {  // l += l+8, l += l+4, l += l+2, l += l+1
+      if (h >= hn) break;
       __m512 x = lane[h];
       x = _mm512_add_ps(x, _mm512_shuffle_f32x4(x, x, 0xEE));
       x = _mm512_add_ps(x, _mm512_shuffle_f32x4(x, x, 0x55));
@@ -614,8 +618,11 @@ LYNX_ATTENTION_AVX512_TARGET inline void value_weights_tile_avx512(
       }
     }
   }
-  for (int h = 0; h < hn; ++h)
-    for (int k = 0; k < gn; ++k) {  // l += l+8, l += l+4, l += l+2, l += l+1
+#pragma GCC unroll 8
+  for (int h = 0; h < HN; ++h)
+#pragma GCC unroll 8
+    for (int k = 0; k < GN; ++k) {  // l += l+8, l += l+4, l += l+2, l += l+1
+      if (h >= hn || k >= gn) continue;
       __m512 x = lanes[h][k];
       x = _mm512_add_ps(x, _mm512_shuffle_f32x4(x, x, 0xEE));
       x = _mm512_add_ps(x, _mm512_shuffle_f32x4(x, x, 0x55));

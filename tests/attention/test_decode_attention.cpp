@@ -129,7 +129,7 @@ std::vector<lynx::attention_path> paths() {
   return p;
 }
 
-template <class Plan>
+template <class Plan, int G = 32>
 void accuracy_case(std::int64_t tokens, std::int64_t kv_heads, std::int64_t group, std::int64_t D,
                    std::int64_t tail_tokens, std::int64_t n) {
   const lynx::kv_shape shape{tokens, kv_heads, D};
@@ -142,7 +142,7 @@ void accuracy_case(std::int64_t tokens, std::int64_t kv_heads, std::int64_t grou
   const auto q = make_queries(n, qh, D, 15);
   const lynx::tail_visibility vis{tail_tokens - n, 1};
   for (int level = 1; level <= Plan::streams; ++level) {
-    const auto tensor = make_tensor<Plan>(k, v, shape, level);
+    const auto tensor = make_tensor<Plan, G>(k, v, shape, level);
     std::vector<float> rk, rv;
     reconstructed(tensor, rk, rv);
     const auto ref = reference(rk, rv, tokens, tk, tv, kv_heads, D, q, n, qh, vis,
@@ -153,7 +153,7 @@ void accuracy_case(std::int64_t tokens, std::int64_t kv_heads, std::int64_t grou
       const auto out = run_attention(tensor.view(), tk, tv, tail_tokens, kv_heads, D, q.data(), n,
                                      qh, vis, 1, path, &lse);
       check_close(out, ref, D,
-                  Plan::name() + " level " + std::to_string(level) +
+                  Plan::name() + " G=" + std::to_string(G) + " level " + std::to_string(level) +
                       " T=" + std::to_string(tokens) + " D=" + std::to_string(D) + " group=" +
                       std::to_string(group) + " path=" + std::to_string(static_cast<int>(path)));
       for (std::size_t i = 0; i < lse.size(); ++i)
@@ -180,6 +180,13 @@ TEST_CASE_TEMPLATE("attention on every precision level matches fp64 on the recon
   accuracy_case<Plan>(70, 2, 4, 16, 3, 2);
   accuracy_case<Plan>(90, 1, 8, 32, 2, 2);
   accuracy_case<Plan>(45, 2, 2, 24, 3, 2);  // one chunk of 16 channels and one of 8
+}
+
+TEST_CASE_TEMPLATE("groups of 64 tokens / channels: a value group spans several channel passes",
+                   Plan, lynx::plan_8_4_4, lynx::plan_16_4_12) {
+  accuracy_case<Plan, 64>(1100, 2, 4, 128, 3, 2);  // passes of 32 channels share a value group
+  accuracy_case<Plan, 64>(300, 1, 2, 192, 2, 2);   // passes of 64 channels, then of 16
+  accuracy_case<Plan, 64>(200, 3, 5, 64, 1, 1);    // 4 heads and 1 head per group of 5
 }
 
 TEST_CASE("long context: several splits, large GQA group") {

@@ -577,13 +577,22 @@ LYNX_ATTENTION_AVX512_TARGET inline __m512 group_column_avx512(const float* rows
 
 /// value_weights_avx512 for heads [h0, h0 + hn) and groups [g0, g0 + gn), hn <= HN, gn <= GN
 /// (the loops run to the constants HN, GN, so the lanes stay in registers).
+/// The weights of head h, group grp go to row (h - out.h0) * out.groups + grp - out.g0 of out.rows.
+struct weight_rows {
+  float* rows;
+  int h0;
+  std::int64_t g0, groups;
+};
 template <int HN, int GN>
 LYNX_ATTENTION_AVX512_TARGET inline void value_weights_tile_avx512(
     const float* vs, const float* vz, std::int64_t groups, int h0, int hn, std::int64_t g0, int gn,
-    std::int64_t t0, std::int64_t n, __m512 u, __m512 hv, __m512i stride, const split_scratch& w) {
+    std::int64_t t0, std::int64_t n, __m512 u, __m512 hv, __m512i stride, const split_scratch& w,
+    const weight_rows& out) {
   // local copies: the stores below cannot change them
   const float* const scores = w.scores;
-  float* const weights = w.weights;
+  float* const weights =
+      out.rows + ((h0 - out.h0) * out.groups + g0 - out.g0) * attention_split_tokens;
+  const std::int64_t out_groups = out.groups;
   __m512 lanes[HN][GN];
   for (int h = 0; h < HN; ++h)
     for (int k = 0; k < GN; ++k) lanes[h][k] = _mm512_setzero_ps();
@@ -612,8 +621,8 @@ LYNX_ATTENTION_AVX512_TARGET inline void value_weights_tile_avx512(
 #pragma GCC unroll 8
       for (int h = 0; h < HN; ++h) {
         if (h >= hn) break;
-        _mm512_mask_storeu_ps(weights + ((h0 + h) * groups + grp) * attention_split_tokens + i,
-                              live, _mm512_mul_ps(p[h], su));
+        _mm512_mask_storeu_ps(weights + (h * out_groups + k) * attention_split_tokens + i, live,
+                              _mm512_mul_ps(p[h], su));
         lanes[h][k] = _mm512_mask_add_ps(lanes[h][k], live, lanes[h][k], _mm512_mul_ps(p[h], off));
       }
     }
@@ -632,12 +641,15 @@ LYNX_ATTENTION_AVX512_TARGET inline void value_weights_tile_avx512(
     }
 }
 
-/// value_weights_portable, 16 tokens per step (same operations per lane).
+/// value_weights_portable for heads [h0, h0 + hn) and groups [g0, g0 + gn), 16
+/// tokens per step (same operations per lane), the weights into `out`.
 template <stream_plan_type Plan, int G>
-LYNX_ATTENTION_AVX512_TARGET void value_weights_avx512(const plane_kv_source<Plan, G>& src,
-                                                       std::int64_t kv_head, int heads,
-                                                       std::int64_t t0, std::int64_t t1,
-                                                       const split_scratch& w) {
+LYNX_ATTENTION_AVX512_TARGET void value_weights_range_avx512(const plane_kv_source<Plan, G>& src,
+                                                             std::int64_t kv_head, int h0, int hn,
+                                                             std::int64_t g0, std::int64_t gn,
+                                                             std::int64_t t0, std::int64_t t1,
+                                                             const split_scratch& w,
+                                                             const weight_rows& out) {
   const layer_geometry& g = src.view.geometry;
   const std::int64_t groups = g.value_channel_groups();
   // the GFNI value kernels multiply by prefix << (decoded_bits - P): the weights
@@ -652,26 +664,40 @@ LYNX_ATTENTION_AVX512_TARGET void value_weights_avx512(const plane_kv_source<Pla
       _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                          _mm512_set1_epi32(static_cast<int>(groups)));
   const std::int64_t n = t1 - t0;
-  // 4 heads x 4 groups at a time when the shape allows (the 16 offset lanes stay in
-  // registers), else up to 8 x 8
-  if (heads % 4 == 0 && groups % 4 == 0) {
-    for (int h0 = 0; h0 < heads; h0 += 4)
-      for (std::int64_t g0 = 0; g0 < groups; g0 += 4)
-        value_weights_tile_avx512<4, 4>(vs, vz, groups, h0, 4, g0, 4, t0, n, u, hv, stride, w);
+  // up to 4 heads x 4 groups at a time (the 16 offset lanes stay in registers), else 8 x 8
+  if (hn <= 4 && gn <= 4) {
+    value_weights_tile_avx512<4, 4>(vs, vz, groups, h0, hn, g0, static_cast<int>(gn), t0, n, u, hv,
+                                    stride, w, out);
+  } else if (hn % 4 == 0 && gn % 4 == 0) {
+    for (int h = h0; h < h0 + hn; h += 4)
+      for (std::int64_t k = g0; k < g0 + gn; k += 4)
+        value_weights_tile_avx512<4, 4>(vs, vz, groups, h, 4, k, 4, t0, n, u, hv, stride, w, out);
   } else {
-    for (int h0 = 0; h0 < heads; h0 += 8)
-      for (std::int64_t g0 = 0; g0 < groups; g0 += 8)
-        value_weights_tile_avx512<8, 8>(vs, vz, groups, h0, std::min(8, heads - h0), g0,
-                                        static_cast<int>(std::min<std::int64_t>(8, groups - g0)),
-                                        t0, n, u, hv, stride, w);
+    for (int h = h0; h < h0 + hn; h += 8)
+      for (std::int64_t k = g0; k < g0 + gn; k += 8)
+        value_weights_tile_avx512<8, 8>(vs, vz, groups, h, std::min(8, h0 + hn - h), k,
+                                        static_cast<int>(std::min<std::int64_t>(8, g0 + gn - k)),
+                                        t0, n, u, hv, stride, w, out);
   }
   // tokens past t1 in the last block weigh 0 (the kernels walk whole blocks)
   const std::int64_t end =
       (t1 + attention_block_tokens - 1) / attention_block_tokens * attention_block_tokens;
-  for (int h = 0; h < heads; ++h)
-    for (std::int64_t grp = 0; grp < groups; ++grp)
+  for (int h = h0; h < h0 + hn; ++h)
+    for (std::int64_t grp = g0; grp < g0 + gn; ++grp)
       for (std::int64_t t = t1; t < end; ++t)
-        w.weights[(h * groups + grp) * attention_split_tokens + (t - t0)] = 0.0f;
+        out.rows[((h - out.h0) * out.groups + grp - out.g0) * attention_split_tokens + (t - t0)] =
+            0.0f;
+}
+
+/// value_weights_portable: all heads and groups into w.weights.
+template <stream_plan_type Plan, int G>
+LYNX_ATTENTION_AVX512_TARGET void value_weights_avx512(const plane_kv_source<Plan, G>& src,
+                                                       std::int64_t kv_head, int heads,
+                                                       std::int64_t t0, std::int64_t t1,
+                                                       const split_scratch& w) {
+  const std::int64_t groups = src.view.geometry.value_channel_groups();
+  value_weights_range_avx512(src, kv_head, 0, heads, 0, groups, t0, t1, w,
+                             weight_rows{w.weights, 0, 0, groups});
 }
 
 /// Logits to the log2 domain with tokens before first_visible masked; returns the max.
@@ -937,8 +963,8 @@ LYNX_ATTENTION_GFNI_INLINE void token_major_codes_gfni(const std::uint32_t* cons
 /// Adds the value blocks [b0, b0 + nblocks) of NC chunks of 16 channels
 /// (c0 + 16 n) to the sums of HC heads: acc[h][n] (lane = channel) gains
 /// w[h][grp][t] * code(t, c) token by token, in token order.
-/// weights: [HC][groups][S] at the first block's first token, already times
-/// 2^-(decoded_bits - P) (the codes here are prefix << (decoded_bits - P)).
+/// weights: [HC][groups][S] (groups g_base, g_base + 1, ...) at the first block's first
+/// token, already times 2^-(decoded_bits - P) (the codes here are prefix << (decoded_bits - P)).
 /// rows0[j]: plane j's words of the first block; stride[j]: words to the next block.
 /// OneGroup: the NC chunks lie in one value group, so each head's weight is
 /// broadcast once per token for all of them (the same values, the same bits).
@@ -947,7 +973,8 @@ template <int HC, int NC, bool TwoBytes, bool OneGroup>
 LYNX_ATTENTION_GFNI_TARGET void add_values_token_major_gfni(
     const std::uint32_t* const* rows0, const std::int64_t* stride, std::int64_t nblocks, int planes,
     int c0, int channels, std::int64_t VG, const float* weights, std::int64_t groups,
-    std::int64_t head_stride /*floats between heads in acc*/, float* acc, prefetch_walk& walk_io) {
+    std::int64_t g_base, std::int64_t head_stride /*floats between heads in acc*/, float* acc,
+    prefetch_walk& walk_io) {
   prefetch_walk walk = walk_io;  // a local copy: its cursor stays in registers
   __m512 sum[HC][NC];
   for (int h = 0; h < HC; ++h)
@@ -955,7 +982,7 @@ LYNX_ATTENTION_GFNI_TARGET void add_values_token_major_gfni(
   const float* wn[HC][NC];
   for (int h = 0; h < HC; ++h)
     for (int n = 0; n < NC; ++n)
-      wn[h][n] = weights + (h * groups + (c0 + 16 * n) / VG) * attention_split_tokens;
+      wn[h][n] = weights + (h * groups + (c0 + 16 * n) / VG - g_base) * attention_split_tokens;
   __m512i zext[4];
   token_byte_zext_gfni(zext);
   const std::uint32_t* rows[16];
@@ -1106,6 +1133,13 @@ LYNX_ATTENTION_AVX512_TARGET void score_tokens_avx512(const plane_kv_source<Plan
   }
 }
 
+/// True when accumulate_values_avx512 runs the GFNI value kernels (which compute
+/// the value weights themselves), false when it runs the portable loop.
+template <stream_plan_type Plan, int G>
+bool gfni_values(const plane_kv_source<Plan, G>& src) {
+  return host_has_gfni() && src.view.geometry.value_group % 16 == 0;
+}
+
 /// Values over tokens [t0, t1) (see accumulate_values_portable): the GFNI
 /// kernels where the CPU has them and a chunk of 16 channels lies in one value
 /// group, else the portable loop (same operations, same bits).
@@ -1118,7 +1152,7 @@ LYNX_ATTENTION_AVX512_TARGET void accumulate_values_avx512(const plane_kv_source
   const layer_geometry& g = src.view.geometry;
   const int D = static_cast<int>(g.head_dim);
   const std::int64_t groups = g.value_channel_groups(), VG = g.value_group;
-  if (!host_has_gfni() || VG % 16 != 0) {
+  if (!gfni_values(src)) {  // the weights are in w.weights (compute_split)
     accumulate_values_portable(src, kv_head, heads, t0, t1, acc, w);
     return;
   }
@@ -1134,25 +1168,35 @@ LYNX_ATTENTION_AVX512_TARGET void accumulate_values_avx512(const plane_kv_source
   }
   for (std::int64_t k = 0; k < prefetch_blocks && k < nblocks; ++k)
     src.prefetch_block(false, kv_head, b0 + k);
-  const float* wts = w.weights + (b0 * attention_block_tokens - t0);
   const bool two = src.planes > 8;
   prefetch_walk walk;  // the next split's keys, one step per token of each pass below
   src.walk_split(walk, true, next.kv_head, next.t0, next.t1);
+  // The weights of a pass's heads and groups are computed right before it, into
+  // rows [heads of the pass][its groups] at the start of w.weights (at most 16
+  // KiB for 4 heads and one group), so they are written and read in L1.
+  int have_h0 = -1;
+  std::int64_t have_g0 = -1, have_gn = 0;
   for (int h0 = 0; h0 < heads;) {
     // 4, 2 or 1 heads at a time, with 32 (4 heads) or 64 channels per pass where the head_dim
     // allows (at least 8 independent sums), else 16
     const int hc = heads - h0 >= 4 ? 4 : heads - h0 >= 2 ? 2 : 1;
-    const float* wh = wts + h0 * groups * attention_split_tokens;
     float* ah = acc + h0 * D;
     dispatch<1, 2, 4>(hc, [&]<int HC>() {
       constexpr int NC = HC == 4 ? 2 : 4;
       for (int c0 = 0; c0 < D;) {
         const int rest = D - c0;
         auto pass = [&]<int N>() {
+          const std::int64_t g_lo = c0 / VG, g_hi = (std::min(D, c0 + 16 * N) - 1) / VG;
+          if (have_h0 != h0 || g_lo < have_g0 || g_hi >= have_g0 + have_gn) {
+            value_weights_range_avx512(src, kv_head, h0, HC, g_lo, g_hi - g_lo + 1, t0, t1, w,
+                                       weight_rows{w.weights, h0, g_lo, g_hi - g_lo + 1});
+            have_h0 = h0, have_g0 = g_lo, have_gn = g_hi - g_lo + 1;
+          }
+          const float* wh = w.weights + (b0 * attention_block_tokens - t0);
           const bool one_group = N > 1 && c0 % (16 * N) == 0 && VG % (16 * N) == 0;
           auto run = [&]<bool Two, bool One>() {
-            add_values_token_major_gfni<HC, N, Two, One>(rows, stride, nblocks, src.planes, c0,
-                                                         rest, VG, wh, groups, D, ah, walk);
+            add_values_token_major_gfni<HC, N, Two, One>(
+                rows, stride, nblocks, src.planes, c0, rest, VG, wh, have_gn, have_g0, D, ah, walk);
           };
           if (two)
             one_group ? run.template operator()<true, true>()
@@ -1171,7 +1215,11 @@ LYNX_ATTENTION_AVX512_TARGET void accumulate_values_avx512(const plane_kv_source
     h0 += hc;
   }
   for (int h = 0; h < heads; ++h)
-    for (int c = 0; c < D; ++c) acc[h * D + c] += w.offsets[h * groups + c / VG];
+    for (std::int64_t gi = 0; gi < groups; ++gi) {
+      const float off = w.offsets[h * groups + gi];
+      float* a = acc + h * D;
+      for (std::int64_t c = gi * VG; c < std::min<std::int64_t>(D, (gi + 1) * VG); ++c) a[c] += off;
+    }
 }
 
 /// 16 consecutive channels of a dense row as floats.
@@ -1549,9 +1597,10 @@ void compute_split(const Source& src, std::int64_t kv_head, const float* q, int 
   }
   if constexpr (requires { src.view; }) {
 #if LYNX_ATTENTION_AVX512
-    if (simd)
-      value_weights_avx512(src, kv_head, heads, t0, t1, w);
-    else
+    if (simd) {
+      // the GFNI value kernels compute their weights pass by pass
+      if (!gfni_values(src)) value_weights_avx512(src, kv_head, heads, t0, t1, w);
+    } else
 #endif
       value_weights_portable(src, kv_head, heads, t0, t1, w);
   }

@@ -665,7 +665,11 @@ LYNX_ATTENTION_AVX512_TARGET void value_weights_range_avx512(const plane_kv_sour
                          _mm512_set1_epi32(static_cast<int>(groups)));
   const std::int64_t n = t1 - t0;
   // up to 4 heads x 4 groups at a time (the 16 offset lanes stay in registers), else 8 x 8
-  if (hn <= 4 && gn <= 4) {
+  if (gn == 1 && (hn == 1 || hn == 2 || hn == 4)) {  // one pass of the GFNI value kernels
+    dispatch<1, 2, 4>(hn, [&]<int HN>() {
+      value_weights_tile_avx512<HN, 1>(vs, vz, groups, h0, HN, g0, 1, t0, n, u, hv, stride, w, out);
+    });
+  } else if (hn <= 4 && gn <= 4) {
     value_weights_tile_avx512<4, 4>(vs, vz, groups, h0, hn, g0, static_cast<int>(gn), t0, n, u, hv,
                                     stride, w, out);
   } else if (hn % 4 == 0 && gn % 4 == 0) {
@@ -988,10 +992,6 @@ LYNX_ATTENTION_GFNI_TARGET void add_values_token_major_gfni(
   const std::uint32_t* rows[16];
   for (std::int64_t k = 0; k < nblocks; ++k) {
     for (int j = 0; j < planes; ++j) rows[j] = rows0[j] + k * stride[j];
-    if (c0 == 0 && k + prefetch_blocks < nblocks)  // the first pass brings the blocks ahead
-      for (int j = 0; j < planes; ++j)
-        for (int c = 0; c < channels; c += 16)
-          __builtin_prefetch(rows0[j] + (k + prefetch_blocks) * stride[j] + c, 0, 3);
     __m512i hi[NC][8], lo[TwoBytes ? NC : 1][8];
     for (int n = 0; n < NC; ++n) {
       const int cn = channels - 16 * n;

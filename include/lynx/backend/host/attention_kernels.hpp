@@ -665,10 +665,13 @@ LYNX_ATTENTION_AVX512_TARGET void value_weights_range_avx512(const plane_kv_sour
                          _mm512_set1_epi32(static_cast<int>(groups)));
   const std::int64_t n = t1 - t0;
   // up to 4 heads x 4 groups at a time (the 16 offset lanes stay in registers), else 8 x 8
-  if (gn == 1 && (hn == 1 || hn == 2 || hn == 4)) {  // one pass of the GFNI value kernels
-    dispatch<1, 2, 4>(hn, [&]<int HN>() {
-      value_weights_tile_avx512<HN, 1>(vs, vz, groups, h0, HN, g0, 1, t0, n, u, hv, stride, w, out);
-    });
+  // (no dispatch lambda here: a lambda has no target attribute, and the tiles take vectors)
+  if (gn == 1 && hn == 4) {  // one pass of the GFNI value kernels
+    value_weights_tile_avx512<4, 1>(vs, vz, groups, h0, 4, g0, 1, t0, n, u, hv, stride, w, out);
+  } else if (gn == 1 && hn == 2) {
+    value_weights_tile_avx512<2, 1>(vs, vz, groups, h0, 2, g0, 1, t0, n, u, hv, stride, w, out);
+  } else if (gn == 1 && hn == 1) {
+    value_weights_tile_avx512<1, 1>(vs, vz, groups, h0, 1, g0, 1, t0, n, u, hv, stride, w, out);
   } else if (hn <= 4 && gn <= 4) {
     value_weights_tile_avx512<4, 4>(vs, vz, groups, h0, hn, g0, static_cast<int>(gn), t0, n, u, hv,
                                     stride, w, out);

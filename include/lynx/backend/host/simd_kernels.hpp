@@ -728,14 +728,24 @@ void encode_bf16_block(const kv_view<const bf16, host_space>& keys,
     return stream;
   };
   auto load_row = [](const bf16* p) { return _mm512_loadu_si512(p); };
-  // The next item's rows, asked into L1 (4 lines a row).
+  // The next item's rows (32 key rows, then 32 value rows, 4 lines a row), asked
+  // into L1 one line per row of codes made below (256 of them): this CPU drops
+  // most of a burst of prefetches issued back to back, not lines asked one by one.
   const bool next_in_range = next.t1 - next.t0 == tokens_per_word;
-  const bf16* next_keys = next_in_range ? &(*next.keys)(next.t0, next.h, 0) : nullptr;
-  const bf16* next_values = next_in_range ? &(*next.values)(next.t0, next.h, 0) : nullptr;
-  auto next_row = [&](const bf16* base, std::int64_t stride, int t) {
-    if (next_in_range)
-      for (int line = 0; line < 4; ++line)
-        _mm_prefetch(reinterpret_cast<const char*>(base + t * stride) + 64 * line, _MM_HINT_T0);
+  const char* next_keys =
+      next_in_range ? reinterpret_cast<const char*>(&(*next.keys)(next.t0, next.h, 0)) : nullptr;
+  const char* next_values =
+      next_in_range ? reinterpret_cast<const char*>(&(*next.values)(next.t0, next.h, 0)) : nullptr;
+  const std::int64_t next_ks = next_in_range ? next.keys->token_stride * 2 : 0,
+                     next_vs = next_in_range ? next.values->token_stride * 2 : 0;
+  int next_line = next_in_range ? 0 : 256;
+  auto next_step = [&]() {
+    if (next_line >= 256) return;
+    const int row = next_line >> 2, line = next_line & 3;
+    _mm_prefetch(row < 32 ? next_keys + row * next_ks + 64 * line
+                          : next_values + (row - 32) * next_vs + 64 * line,
+                 _MM_HINT_T0);
+    ++next_line;
   };
 
   // Keys, slice by slice: parameters of the 32 channels, codes, planes.
@@ -750,7 +760,6 @@ void encode_bf16_block(const kv_view<const bf16, host_space>& keys,
   for (int sl = 0; sl < slices; ++sl)
     smax_of[sl] = umin_of[sl] = umax_of[sl] = load_row(kbase + 32 * sl);
   for (int t = 0; t < 32; ++t) {
-    next_row(next_keys, ks, t);
     const bf16* row = kbase + t * ks;
     LYNX_SIMD_UNROLL(4)
     for (int sl = 0; sl < slices; ++sl) {
@@ -803,6 +812,7 @@ void encode_bf16_block(const kv_view<const bf16, host_space>& keys,
                      _mm512_permutex2var_ps(lo_even, natural_high, lo_odd));
     slice_planes(
         [&](int t, __m512i& even, __m512i& odd) {
+          next_step();
           const __m512i x = load_row(p + t * ks);
           even = code_of(bf16_even(x), lo_even, inv_even);
           odd = code_of(bf16_odd(x), lo_odd, inv_odd);
@@ -817,7 +827,6 @@ void encode_bf16_block(const kv_view<const bf16, host_space>& keys,
   float* zero_of = s.value_zero.data();
   float* inv_of = s.value_inv.data();
   for (int tree = 0; tree < 4; ++tree) {
-    for (int i = 0; i < 8; ++i) next_row(next_values, vs, 8 * tree + i);
     __m512i mn, mx;
     rows_minmax<32>(
         [&](int r) {
@@ -850,6 +859,7 @@ void encode_bf16_block(const kv_view<const bf16, host_space>& keys,
     const bf16* p = vbase + 32 * sl;
     slice_planes(
         [&](int t, __m512i& even, __m512i& odd) {
+          next_step();
           const __m512i x = load_row(p + t * vs);
           const __m512 zero = _mm512_set1_ps(zero_of[4 * t + sl]),
                        inv = _mm512_set1_ps(inv_of[4 * t + sl]);

@@ -422,31 +422,33 @@ void reconstruct(const bitplane_view<Plan, G, host_space>& v, kv_view<T, host_sp
           for (std::int64_t i = i0; i < i1; ++i) {
             const std::int64_t h = i % g.kv_heads,
                                b = i / g.kv_heads;  // block-major: neighbouring output bytes
-            if (i + 2 < i1) {
-              // Inputs of the item after next (plane rows, key and value parameters) come
-              // from 3 x kv_heads strided streams the hardware prefetchers do not follow.
-              const std::int64_t hn = (i + 2) % g.kv_heads, bn = (i + 2) / g.kv_heads;
+            // The next item's inputs (plane rows, key and value parameters) come from
+            // 3 x kv_heads strided streams the hardware prefetchers do not follow: asked
+            // for a few lines per row written (see prefetch_walk).
+            detail::prefetch_walk next;
+            if (i + 1 < i1) {
+              const std::int64_t hn = (i + 1) % g.kv_heads, bn = (i + 1) / g.kv_heads;
               const std::uint32_t* rows[16];
               for (int which = 0; which < 2; ++which) {
                 detail::block_plane_rows(v, which == 0, hn, bn, P, rows);
-                for (int j = 0; j < P; ++j) detail::simd::prefetch_bytes(rows[j], D * 4);
+                for (int j = 0; j < P; ++j) next.add(rows[j], D * 4);
               }
               const std::int64_t kp =
                   (hn * g.key_token_groups() + bn * tokens_per_word / g.key_group) * D;
-              detail::simd::prefetch_bytes(v.key_scale() + kp, D * 4);
-              detail::simd::prefetch_bytes(v.key_zero() + kp, D * 4);
+              next.add(v.key_scale() + kp, D * 4);
+              next.add(v.key_zero() + kp, D * 4);
               const std::int64_t vp = (hn * T_ + bn * tokens_per_word) * VGs;
               const std::int64_t vn =
                   std::min<std::int64_t>(tokens_per_word, T_ - bn * tokens_per_word) * VGs * 4;
-              detail::simd::prefetch_bytes(v.value_scale() + vp, vn);
-              detail::simd::prefetch_bytes(v.value_zero() + vp, vn);
+              next.add(v.value_scale() + vp, vn);
+              next.add(v.value_zero() + vp, vn);
             }
             detail::simd::reconstruct_block<B, T>(
                 g, h, b, P, half, v.key_scale(), v.key_zero(), v.value_scale(), v.value_zero(),
                 [&](bool keys, const std::uint32_t** rows) {
                   detail::block_plane_rows(v, keys, h, b, P, rows);
                 },
-                keys_out, values_out, stage_hi, stage_hi + D / 16 * 8);
+                keys_out, values_out, stage_hi, stage_hi + D / 16 * 8, next);
           }
           _mm_sfence();  // order any non-temporal stores of the rows before the join
         });

@@ -20,6 +20,7 @@
 #include <cstring>
 
 #include "lynx/attention/tile_math.hpp"
+#include "lynx/backend/host/prefetch.hpp"
 #include "lynx/core/config.hpp"
 #include "lynx/core/dispatch.hpp"
 #include "lynx/core/types.hpp"
@@ -64,52 +65,6 @@ inline bool host_has_gfni() {
   return false;
 #endif
 }
-
-/// Software prefetches spread over a kernel's inner loop, `Lines` 64-byte
-/// lines per step, over up to 6 byte ranges in order. This CPU drops most of a
-/// burst of prefetches issued back to back (a split's 1,536 lines asked for at
-/// once arrive no sooner than without asking); one line every few multiply-adds
-/// all arrive. The kernels step once per channel (scores) or token (values),
-/// about twice as many steps as lines in the split they ask for with 1 line
-/// per step up to 8 planes, and 2 above. Prefetches never change a result.
-struct prefetch_walk {
-  static constexpr int max_ranges = 6;
-  const char* at = nullptr;    // the next line of the current range
-  const char* stop = nullptr;  // the end of the current range
-  const char* queued_at[max_ranges] = {};
-  const char* queued_end[max_ranges] = {};
-  int queued = 0, taken = 0;
-  void add(const void* base, std::int64_t bytes) {
-    if (bytes <= 0 || queued == max_ranges) return;
-    const char* p = static_cast<const char*>(base);
-    queued_at[queued] =
-        reinterpret_cast<const char*>(reinterpret_cast<std::uintptr_t>(p) & ~std::uintptr_t{63});
-    queued_end[queued] = p + bytes;
-    ++queued;
-    if (at >= stop) next_range();
-  }
-  void next_range() {
-    if (taken == queued) return;
-    at = queued_at[taken];
-    stop = queued_end[taken];
-    ++taken;
-  }
-  template <int Lines = 1>
-  __attribute__((always_inline)) void step() {
-    for (int k = 0; k < Lines; ++k) {
-      if (at < stop) [[likely]] {
-#if defined(__GNUC__) || defined(__clang__)
-        __builtin_prefetch(at, 0, 3);
-#endif
-        at += 64;
-      } else if (taken < queued) {
-        next_range();
-      } else {
-        return;
-      }
-    }
-  }
-};
 
 /// A bit-plane prompt at `planes` planes of Plan::bits.
 template <stream_plan_type Plan, int G>

@@ -45,6 +45,7 @@
 #include <utility>
 #include <vector>
 
+#include "lynx/backend/host/prefetch.hpp"
 #include "lynx/core/buffer.hpp"
 #include "lynx/core/types.hpp"
 #include "lynx/core/view.hpp"
@@ -1165,7 +1166,7 @@ void reconstruct_rows(const layer_geometry& g, std::int64_t h, std::int64_t t0, 
                       const float* key_zero, const float* value_scale, const float* value_zero,
                       const kv_view<T, host_space>& keys_out,
                       const kv_view<T, host_space>& values_out, const __m512i* stage_hi,
-                      const __m512i* stage_lo) {
+                      const __m512i* stage_lo, prefetch_walk& walk, int lines_per_row) {
   const std::int64_t D = g.head_dim, chunks = D / 16;
   auto level = [&](std::int64_t q, std::int64_t t) {
     if constexpr (Lut) {
@@ -1183,6 +1184,7 @@ void reconstruct_rows(const layer_geometry& g, std::int64_t h, std::int64_t t0, 
     for (std::int64_t q = 0; q < chunks; ++q)
       group_of_chunk[q] = static_cast<std::int32_t>((16 * q) / g.value_group);
   for (std::int64_t t = 0; t < n; ++t) {
+    walk.step_n(lines_per_row);
     if (keys) {
       const std::int64_t base = (h * g.key_token_groups() + (t0 + t) / g.key_group) * D;
       store_row(&keys_out(t0 + t, h, 0), chunks, stream, [&](std::int64_t q) {
@@ -1200,16 +1202,18 @@ void reconstruct_rows(const layer_geometry& g, std::int64_t h, std::int64_t t0, 
   }
 }
 
-/// Reconstructs block b of head h (K and V) at P planes.
+/// Reconstructs block b of head h (K and V) at P planes. `next`: the inputs of
+/// the next block, asked for a few lines per row written.
 template <int Bits, class T, class Rows>
 void reconstruct_block(const layer_geometry& g, std::int64_t h, std::int64_t b, int P, float half,
                        const float* key_scale, const float* key_zero, const float* value_scale,
                        const float* value_zero, Rows&& plane_rows,
                        const kv_view<T, host_space>& keys_out,
                        const kv_view<T, host_space>& values_out, __m512i* stage_hi,
-                       __m512i* stage_lo) {
+                       __m512i* stage_lo, prefetch_walk& next) {
   const std::int64_t D = g.head_dim, chunks = D / 16, T_ = g.tokens;
   const std::int64_t t0 = b * tokens_per_word, n = std::min<std::int64_t>(tokens_per_word, T_ - t0);
+  const int lines_per_row = static_cast<int>((next.lines_left() + 2 * n - 1) / (2 * n));
   const __m512 half_v = _mm512_set1_ps(half);
   const bool lut_path = P <= 4;
   const bool stream = 2 * g.tokens * g.kv_heads * D * static_cast<std::int64_t>(sizeof(T)) >=
@@ -1226,7 +1230,7 @@ void reconstruct_block(const layer_geometry& g, std::int64_t h, std::int64_t b, 
       unpack_stage(rows, 0, P, D, stage_hi, 8 - P);
       reconstruct_rows<Bits, true, T>(g, h, t0, n, which == 0, stream, half_v, lut, key_scale,
                                       key_zero, value_scale, value_zero, keys_out, values_out,
-                                      stage_hi, stage_lo);
+                                      stage_hi, stage_lo, next, lines_per_row);
       continue;
     }
     unpack_stage(rows, 0, std::min(P, 8), D, stage_hi);
@@ -1236,7 +1240,7 @@ void reconstruct_block(const layer_geometry& g, std::int64_t h, std::int64_t b, 
       std::fill(stage_lo, stage_lo + chunks * 8, _mm512_setzero_si512());
     reconstruct_rows<Bits, false, T>(g, h, t0, n, which == 0, stream, half_v, lut, key_scale,
                                      key_zero, value_scale, value_zero, keys_out, values_out,
-                                     stage_hi, stage_lo);
+                                     stage_hi, stage_lo, next, lines_per_row);
   }
 }
 

@@ -427,21 +427,11 @@ void reconstruct(const bitplane_view<Plan, G, host_space>& v, kv_view<T, host_sp
             // for a few lines per row written (see prefetch_walk).
             detail::prefetch_walk next;
             if (i + 1 < i1) {
-              const std::int64_t hn = (i + 1) % g.kv_heads, bn = (i + 1) / g.kv_heads;
-              const std::uint32_t* rows[16];
-              for (int which = 0; which < 2; ++which) {
-                detail::block_plane_rows(v, which == 0, hn, bn, P, rows);
-                for (int j = 0; j < P; ++j) next.add(rows[j], D * 4);
-              }
-              const std::int64_t kp =
-                  (hn * g.key_token_groups() + bn * tokens_per_word / g.key_group) * D;
-              next.add(v.key_scale() + kp, D * 4);
-              next.add(v.key_zero() + kp, D * 4);
-              const std::int64_t vp = (hn * T_ + bn * tokens_per_word) * VGs;
-              const std::int64_t vn =
-                  std::min<std::int64_t>(tokens_per_word, T_ - bn * tokens_per_word) * VGs * 4;
-              next.add(v.value_scale() + vp, vn);
-              next.add(v.value_zero() + vp, vn);
+              const std::int64_t hn = (i + 1) % g.kv_heads,
+                                 t = (i + 1) / g.kv_heads * tokens_per_word;
+              for (bool keys : {true, false})
+                v.for_each_range(keys, P, hn, t, std::min(T_, t + tokens_per_word),
+                                 [&](const void* p, std::int64_t bytes) { next.add(p, bytes); });
             }
             detail::simd::reconstruct_block<B, T>(
                 g, h, b, P, half, v.key_scale(), v.key_zero(), v.value_scale(), v.value_zero(),

@@ -9,6 +9,7 @@
 // lives in backend/cuda/tensor.cuh.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <cstring>
@@ -57,6 +58,35 @@ struct bitplane_view {
   }
   LYNX_HOST_DEVICE const std::uint32_t* value_planes(int s) const {
     return reinterpret_cast<const std::uint32_t*>(payload[s] + geometry.value_planes_offset(s));
+  }
+  /// Calls f(pointer, bytes) for each byte range that kv head h's tokens [t0, t1)
+  /// occupy at the first `planes` planes, keys or values, in reading order: scales,
+  /// zeros, then the plane words of each stream (whole 32-token blocks).
+  template <class F>
+  void for_each_range(bool keys, int planes, std::int64_t h, std::int64_t t0, std::int64_t t1,
+                      F&& f) const {
+    if (t1 <= t0) return;
+    const layer_geometry& g = geometry;
+    if (keys) {
+      const std::int64_t k0 = (h * g.key_token_groups() + t0 / g.key_group) * g.head_dim,
+                         k1 = (h * g.key_token_groups() + (t1 - 1) / g.key_group + 1) * g.head_dim;
+      f(static_cast<const void*>(key_scale() + k0), (k1 - k0) * 4);
+      f(static_cast<const void*>(key_zero() + k0), (k1 - k0) * 4);
+    } else {
+      const std::int64_t groups = g.value_channel_groups();
+      const std::int64_t v0 = (h * g.tokens + t0) * groups, v1 = (h * g.tokens + t1) * groups;
+      f(static_cast<const void*>(value_scale() + v0), (v1 - v0) * 4);
+      f(static_cast<const void*>(value_zero() + v0), (v1 - v0) * 4);
+    }
+    const std::int64_t b0 = t0 / tokens_per_word, b1 = (t1 + tokens_per_word - 1) / tokens_per_word;
+    int j = 0;
+    for (int st = 0; j < planes; ++st) {  // blocks of a kv head are consecutive in each stream
+      const int n = std::min(g.planes_in(st), planes - j);
+      const std::uint32_t* base = keys ? key_planes(st) : value_planes(st);
+      f(static_cast<const void*>(base + g.word_index(st, h, b0, 0, 0)),
+        ((b1 - b0 - 1) * g.planes_in(st) + n) * g.head_dim * 4);
+      j += n;
+    }
   }
   /// The same view at a lower precision level (at most the current one).
   bitplane_view at_level(int l) const {

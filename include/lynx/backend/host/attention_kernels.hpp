@@ -103,64 +103,18 @@ struct plane_kv_source {
   /// walk next, so its bytes are in L2 when the walk starts.
   void prefetch_split_slice(bool keys, std::int64_t h, std::int64_t t0, std::int64_t t1, int part,
                             int parts) const {
-#if defined(__GNUC__) || defined(__clang__)
-    const layer_geometry& g = view.geometry;
-    const std::int64_t b0 = t0 / tokens_per_word, b1 = (t1 + tokens_per_word - 1) / tokens_per_word;
-    auto slice = [&](const void* base, std::int64_t bytes) {
+    view.for_each_range(keys, planes, h, t0, t1, [&](const void* base, std::int64_t bytes) {
       const char* p = static_cast<const char*>(base);
       const std::int64_t lo = bytes * part / parts / 64 * 64, hi = bytes * (part + 1) / parts;
       for (std::int64_t o = lo; o < hi; o += 64) __builtin_prefetch(p + o, 0, 2);
-    };
-    int j = 0;
-    for (int st = 0; j < planes; ++st) {
-      const int n = std::min(g.planes_in(st), planes - j);
-      const std::uint32_t* base = keys ? view.key_planes(st) : view.value_planes(st);
-      // blocks of one kv head are consecutive: [b0, b1) x [planes of st] x head_dim words
-      slice(base + g.word_index(st, h, b0, 0, 0),
-            ((b1 - b0 - 1) * g.planes_in(st) + n) * g.head_dim * 4);
-      j += n;
-    }
-    if (keys) {
-      const std::int64_t k0 = (h * g.key_token_groups() + t0 / g.key_group) * g.head_dim,
-                         k1 = (h * g.key_token_groups() + (t1 - 1) / g.key_group + 1) * g.head_dim;
-      slice(view.key_scale() + k0, (k1 - k0) * 4);
-      slice(view.key_zero() + k0, (k1 - k0) * 4);
-    } else {
-      const std::int64_t groups = g.value_channel_groups();
-      const std::int64_t v0 = (h * g.tokens + t0) * groups, v1 = (h * g.tokens + t1) * groups;
-      slice(view.value_scale() + v0, (v1 - v0) * 4);
-      slice(view.value_zero() + v0, (v1 - v0) * 4);
-    }
-#else
-    (void)keys, (void)h, (void)t0, (void)t1, (void)part, (void)parts;
-#endif
+    });
   }
   /// Adds to `walk` everything one split [t0, t1) of kv head h reads, keys or
   /// values, in the order the kernels read it: scales and zeros, then plane words.
   void walk_split(prefetch_walk& walk, bool keys, std::int64_t h, std::int64_t t0,
                   std::int64_t t1) const {
-    if (t1 <= t0) return;
-    const layer_geometry& g = view.geometry;
-    if (keys) {
-      const std::int64_t k0 = (h * g.key_token_groups() + t0 / g.key_group) * g.head_dim,
-                         k1 = (h * g.key_token_groups() + (t1 - 1) / g.key_group + 1) * g.head_dim;
-      walk.add(view.key_scale() + k0, (k1 - k0) * 4);
-      walk.add(view.key_zero() + k0, (k1 - k0) * 4);
-    } else {
-      const std::int64_t groups = g.value_channel_groups();
-      const std::int64_t v0 = (h * g.tokens + t0) * groups, v1 = (h * g.tokens + t1) * groups;
-      walk.add(view.value_scale() + v0, (v1 - v0) * 4);
-      walk.add(view.value_zero() + v0, (v1 - v0) * 4);
-    }
-    const std::int64_t b0 = t0 / tokens_per_word, b1 = (t1 + tokens_per_word - 1) / tokens_per_word;
-    int j = 0;
-    for (int st = 0; j < planes; ++st) {
-      const int n = std::min(g.planes_in(st), planes - j);
-      const std::uint32_t* base = keys ? view.key_planes(st) : view.value_planes(st);
-      walk.add(base + g.word_index(st, h, b0, 0, 0),
-               ((b1 - b0 - 1) * g.planes_in(st) + n) * g.head_dim * 4);
-      j += n;
-    }
+    view.for_each_range(keys, planes, h, t0, t1,
+                        [&](const void* base, std::int64_t bytes) { walk.add(base, bytes); });
   }
   [[nodiscard]] float level_unit() const { return static_cast<float>(1u << (Plan::bits - planes)); }
   [[nodiscard]] float half() const { return midpoint_offset<Plan::bits>(planes); }
@@ -230,6 +184,17 @@ inline split_scratch carve_scratch(float* base, std::int64_t heads, std::int64_t
 // ---------------------------------------------------------------------------
 // Portable kernels.
 // ---------------------------------------------------------------------------
+
+/// The bit-plane value sums' offsets: acc[h][c] += offsets[h][c / VG].
+inline void add_value_offsets(const float* offsets, int heads, std::int64_t D, std::int64_t groups,
+                              std::int64_t VG, float* acc) {
+  for (int h = 0; h < heads; ++h)
+    for (std::int64_t gi = 0; gi < groups; ++gi) {
+      const float off = offsets[h * groups + gi];
+      float* a = acc + h * D;
+      for (std::int64_t c = gi * VG; c < std::min(D, (gi + 1) * VG); ++c) a[c] += off;
+    }
+}
 
 /// Logits of tokens [t0, t1) of a bit-plane prompt: scores[h][t - t0].
 template <stream_plan_type Plan, int G>
@@ -321,12 +286,7 @@ void accumulate_values_portable(const plane_kv_source<Plan, G>& src, std::int64_
               acc[h * D + c]);
       }
   }
-  for (int h = 0; h < heads; ++h)
-    for (std::int64_t gi = 0; gi < groups; ++gi) {
-      const float off = w.offsets[h * groups + gi];
-      float* a = acc + h * D;
-      for (std::int64_t c = gi * VG; c < std::min<std::int64_t>(D, (gi + 1) * VG); ++c) a[c] += off;
-    }
+  add_value_offsets(w.offsets, heads, D, groups, VG, acc);
 }
 
 /// Lane of channel c in a dense score: c mod 16 for float keys; for bf16 keys
@@ -596,6 +556,13 @@ LYNX_ATTENTION_AVX512_TARGET inline void value_weights_tile_avx512(
     }
 }
 
+/// True when accumulate_values_avx512 runs the GFNI value kernels (which compute
+/// the value weights themselves), false when it runs the portable loop.
+template <stream_plan_type Plan, int G>
+bool gfni_values(const plane_kv_source<Plan, G>& src) {
+  return host_has_gfni() && src.view.geometry.value_group % 16 == 0;
+}
+
 /// value_weights_portable for heads [h0, h0 + hn) and groups [g0, g0 + gn), 16
 /// tokens per step (same operations per lane), the weights into `out`.
 template <stream_plan_type Plan, int G>
@@ -609,8 +576,7 @@ LYNX_ATTENTION_AVX512_TARGET void value_weights_range_avx512(const plane_kv_sour
   const std::int64_t groups = g.value_channel_groups();
   // the GFNI value kernels multiply by prefix << (decoded_bits - P): the weights
   // carry 2^-(decoded_bits - P) (exact, a power of two)
-  const int shift =
-      host_has_gfni() && g.value_group % 16 == 0 ? decoded_bits(src.planes) - src.planes : 0;
+  const int shift = gfni_values(src) ? decoded_bits(src.planes) - src.planes : 0;
   const __m512 u = _mm512_set1_ps(std::ldexp(src.level_unit(), -shift)),
                hv = _mm512_set1_ps(src.half());
   const float* vs = src.view.value_scale() + kv_head * g.tokens * groups;
@@ -827,7 +793,7 @@ LYNX_ATTENTION_GFNI_INLINE void decode_chunk_gfni(const std::uint32_t* const* ro
 /// registers (no tile in memory) and multiplying right away; each head's two
 /// token halves accumulate in channel order, exactly as score_block_avx512.
 /// Any head_dim: a last chunk of D % 16 channels reads only those channels.
-/// Two: more than 8 planes. `walk` steps once per channel.
+/// Two: more than 8 planes. `walk` steps every other channel (3 lines with Two, else 1).
 template <int HC, bool Two>
 LYNX_ATTENTION_GFNI_TARGET inline void score_block_fused_gfni(const std::uint32_t* const* rows,
                                                               int planes, int D, const float* qs,
@@ -930,7 +896,7 @@ LYNX_ATTENTION_GFNI_INLINE void token_major_codes_gfni(const std::uint32_t* cons
 /// rows0[j]: plane j's words of the first block; stride[j]: words to the next block.
 /// OneGroup: the NC chunks lie in one value group, so each head's weight is
 /// broadcast once per token for all of them (the same values, the same bits).
-/// `walk` steps once per token.
+/// `walk` steps every other token (3 lines with TwoBytes, else 1).
 template <int HC, int NC, bool TwoBytes, bool OneGroup>
 LYNX_ATTENTION_GFNI_TARGET void add_values_token_major_gfni(
     const std::uint32_t* const* rows0, const std::int64_t* stride, std::int64_t nblocks, int planes,
@@ -1042,9 +1008,9 @@ LYNX_ATTENTION_AVX512_TARGET void score_tokens_avx512(const plane_kv_source<Plan
                         half, w.qs + slot * heads * D, w.bias + slot * heads);
     folded[slot] = grp;
   };
-  // The GFNI path asks for this split's values (walked after the scores) one
-  // line per channel scored; accumulate_values_avx512 then asks for the next
-  // split's keys. The other path asks L2 for both in slices, block by block.
+  // The GFNI path asks for this split's values (walked after the scores) while
+  // it scores (see score_block_fused_gfni); accumulate_values_avx512 then asks
+  // for the next split's keys. The other path asks L2 for both in slices.
   prefetch_walk walk;
   if (gfni) src.walk_split(walk, false, kv_head, t0, t1);
   for (std::int64_t b = t0 / attention_block_tokens; b * attention_block_tokens < t1; ++b) {
@@ -1091,13 +1057,6 @@ LYNX_ATTENTION_AVX512_TARGET void score_tokens_avx512(const plane_kv_source<Plan
   }
 }
 
-/// True when accumulate_values_avx512 runs the GFNI value kernels (which compute
-/// the value weights themselves), false when it runs the portable loop.
-template <stream_plan_type Plan, int G>
-bool gfni_values(const plane_kv_source<Plan, G>& src) {
-  return host_has_gfni() && src.view.geometry.value_group % 16 == 0;
-}
-
 /// Values over tokens [t0, t1) (see accumulate_values_portable): the GFNI
 /// kernels where the CPU has them and a chunk of 16 channels lies in one value
 /// group, else the portable loop (same operations, same bits).
@@ -1127,7 +1086,7 @@ LYNX_ATTENTION_AVX512_TARGET void accumulate_values_avx512(const plane_kv_source
   for (std::int64_t k = 0; k < prefetch_blocks && k < nblocks; ++k)
     src.prefetch_block(false, kv_head, b0 + k);
   const bool two = src.planes > 8;
-  prefetch_walk walk;  // the next split's keys, one step per token of each pass below
+  prefetch_walk walk;  // the next split's keys, stepped by the passes below
   src.walk_split(walk, true, next.kv_head, next.t0, next.t1);
   // The weights of a pass's heads and groups are computed right before it, into
   // rows [heads of the pass][its groups] at the start of w.weights (at most 16
@@ -1172,12 +1131,7 @@ LYNX_ATTENTION_AVX512_TARGET void accumulate_values_avx512(const plane_kv_source
     });
     h0 += hc;
   }
-  for (int h = 0; h < heads; ++h)
-    for (std::int64_t gi = 0; gi < groups; ++gi) {
-      const float off = w.offsets[h * groups + gi];
-      float* a = acc + h * D;
-      for (std::int64_t c = gi * VG; c < std::min<std::int64_t>(D, (gi + 1) * VG); ++c) a[c] += off;
-    }
+  add_value_offsets(w.offsets, heads, D, groups, VG, acc);
 }
 
 /// 16 consecutive channels of a dense row as floats.

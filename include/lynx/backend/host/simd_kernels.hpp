@@ -732,6 +732,8 @@ void encode_bf16_block(const kv_view<const bf16, host_space>& keys,
   // The next item's rows (32 key rows, then 32 value rows, 4 lines a row), asked
   // into L1 one line per row of codes made below (256 of them): this CPU drops
   // most of a burst of prefetches issued back to back, not lines asked one by one.
+  // (Pointers and strides are set up here: computing each line's address through
+  // the views in the code loops cost 13% of the encode.)
   const bool next_in_range = next.t1 - next.t0 == tokens_per_word;
   const char* next_keys =
       next_in_range ? reinterpret_cast<const char*>(&(*next.keys)(next.t0, next.h, 0)) : nullptr;
@@ -1071,12 +1073,6 @@ void encode_unit(const kv_view<const T, host_space>& keys,
 
 // ---------------------------------------------------------------------------
 // Reconstruct.
-
-/// Asks for [p, p + bytes) to be brought into L1.
-inline void prefetch_bytes(const void* p, std::int64_t bytes) {
-  for (std::int64_t o = 0; o < bytes; o += 64)
-    _mm_prefetch(static_cast<const char*>(p) + o, _MM_HINT_T0);
-}
 
 template <class T>
 bool reconstruct_supported(const kv_view<T, host_space>& keys_out,

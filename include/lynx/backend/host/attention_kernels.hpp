@@ -390,31 +390,10 @@ LYNX_ATTENTION_AVX512_TARGET inline void exp2_shifted_avx512(float* s, std::int6
   }
 }
 
-/// fold_query_into_key_group, 16 channels per step (same operations per lane).
-LYNX_ATTENTION_AVX512_TARGET inline float fold_query_avx512(const float* q, const float* scale,
-                                                            const float* zero, int D, float unit,
-                                                            float half, float* qs) {
-  const __m512 u = _mm512_set1_ps(unit), hv = _mm512_set1_ps(half);
-  __m512 lane = _mm512_setzero_ps();
-  for (int c = 0; c < D;
-       c += 16) {  // a last chunk of D % 16 channels: the other lanes stay as they are
-    const __mmask16 k =
-        D - c >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (D - c)) - 1u);
-    const __m512 qv = _mm512_maskz_loadu_ps(k, q + c), sc = _mm512_maskz_loadu_ps(k, scale + c);
-    _mm512_mask_storeu_ps(qs + c, k, _mm512_mul_ps(qv, _mm512_mul_ps(sc, u)));
-    lane = _mm512_mask3_fmadd_ps(qv, _mm512_fmadd_ps(sc, hv, _mm512_maskz_loadu_ps(k, zero + c)),
-                                 lane, k);
-  }
-  alignas(64) float x[16];
-  _mm512_store_ps(x, lane);
-  for (int w = 8; w >= 1; w /= 2)
-    for (int l = 0; l < w; ++l) x[l] += x[l + w];
-  return x[0];
-}
-
-/// fold_query_avx512 for `heads` queries q[h][D] against one key group: the
-/// group's scale * unit and scale * half + zero are computed once for all heads,
-/// each head's lanes fold by the same halving tree, in registers.
+/// fold_query_into_key_group for `heads` queries q[h][D] against one key group,
+/// 16 channels per step (same operations per lane): the group's scale * unit and
+/// scale * half + zero are computed once for all heads, each head's lanes fold by
+/// the same halving tree, in registers.
 LYNX_ATTENTION_AVX512_TARGET inline void fold_queries_avx512(const float* q, int heads,
                                                              const float* scale, const float* zero,
                                                              int D, float unit, float half,
@@ -793,8 +772,8 @@ LYNX_ATTENTION_GFNI_INLINE void decode_chunk_gfni(const std::uint32_t* const* ro
 /// registers (no tile in memory) and multiplying right away; each head's two
 /// token halves accumulate in channel order, exactly as score_block_avx512.
 /// Any head_dim: a last chunk of D % 16 channels reads only those channels.
-/// Two: more than 8 planes. `walk` steps every other channel (3 lines with Two, else 1).
-template <int HC, bool Two>
+/// Two: more than 8 planes. `walk` steps Lines lines every other channel.
+template <int HC, bool Two, int Lines>
 LYNX_ATTENTION_GFNI_TARGET inline void score_block_fused_gfni(const std::uint32_t* const* rows,
                                                               int planes, int D, const float* qs,
                                                               const float* bias, float* out,
@@ -809,7 +788,7 @@ LYNX_ATTENTION_GFNI_TARGET inline void score_block_fused_gfni(const std::uint32_
     __m512 (*a)[2];
     prefetch_walk& walk;
     LYNX_ATTENTION_GFNI_INLINE void operator()(int i, const __m512* k) const {
-      if (i % 2 == 0) walk.step<Two ? 3 : 1>();
+      if (i % 2 == 0) walk.step<Lines>();
       for (int h = 0; h < HC; ++h) {
         const __m512 qv = _mm512_set1_ps(qh[h][i]);
         a[h][0] = _mm512_fmadd_ps(qv, k[0], a[h][0]);
@@ -896,8 +875,8 @@ LYNX_ATTENTION_GFNI_INLINE void token_major_codes_gfni(const std::uint32_t* cons
 /// rows0[j]: plane j's words of the first block; stride[j]: words to the next block.
 /// OneGroup: the NC chunks lie in one value group, so each head's weight is
 /// broadcast once per token for all of them (the same values, the same bits).
-/// `walk` steps every other token (3 lines with TwoBytes, else 1).
-template <int HC, int NC, bool TwoBytes, bool OneGroup>
+/// `walk` steps Lines lines every other token.
+template <int HC, int NC, bool TwoBytes, bool OneGroup, int Lines>
 LYNX_ATTENTION_GFNI_TARGET void add_values_token_major_gfni(
     const std::uint32_t* const* rows0, const std::int64_t* stride, std::int64_t nblocks, int planes,
     int c0, int channels, std::int64_t VG, const float* weights, std::int64_t groups,
@@ -926,7 +905,7 @@ LYNX_ATTENTION_GFNI_TARGET void add_values_token_major_gfni(
     for (int q = 0; q < 4; ++q)
       for (int r = 0; r < 8; ++r) {
         const int t = 8 * q + r;
-        if (r % 2 == 0) walk.step<TwoBytes ? 3 : 1>();
+        if (r % 2 == 0) walk.step<Lines>();
         __m512 code[NC];
         for (int n = 0; n < NC; ++n) {
           __m512i x = _mm512_maskz_permutexvar_epi8(gfni_low_bytes, zext[q], hi[n][r]);
@@ -1013,6 +992,9 @@ LYNX_ATTENTION_AVX512_TARGET void score_tokens_avx512(const plane_kv_source<Plan
   // for the next split's keys. The other path asks L2 for both in slices.
   prefetch_walk walk;
   if (gfni) src.walk_split(walk, false, kv_head, t0, t1);
+  // lines per step (one step per two channels of each 8 heads' pass) to finish
+  // the walk within this split: 2 for 5 to 8 planes, whose values outnumber the steps
+  const int walk_lines = walk_step_lines(walk, nb * ((heads + 7) / 8) * ((D + 15) / 16 * 8));
   for (std::int64_t b = t0 / attention_block_tokens; b * attention_block_tokens < t1; ++b) {
     const std::int64_t tb = b * attention_block_tokens;
     const std::int64_t grp = tb / G;  // G % 32 == 0: one key group per block
@@ -1040,12 +1022,15 @@ LYNX_ATTENTION_AVX512_TARGET void score_tokens_avx512(const plane_kv_source<Plan
     if (gfni) {  // the GFNI decoder: fused, 8 heads at a time
       for (int h = 0; h < heads; h += 8)
         dispatch<1, 2, 3, 4, 5, 6, 7, 8>(std::min(8, heads - h), [&]<int HC>() {
+          float* o = out + h * attention_split_tokens;
           if (src.planes > 8)
-            score_block_fused_gfni<HC, true>(rows, src.planes, D, qs + h * D, bias + h,
-                                             out + h * attention_split_tokens, walk);
+            score_block_fused_gfni<HC, true, 3>(rows, src.planes, D, qs + h * D, bias + h, o, walk);
+          else if (walk_lines == 1)
+            score_block_fused_gfni<HC, false, 1>(rows, src.planes, D, qs + h * D, bias + h, o,
+                                                 walk);
           else
-            score_block_fused_gfni<HC, false>(rows, src.planes, D, qs + h * D, bias + h,
-                                              out + h * attention_split_tokens, walk);
+            score_block_fused_gfni<HC, false, 2>(rows, src.planes, D, qs + h * D, bias + h, o,
+                                                 walk);
         });
       continue;
     }
@@ -1088,6 +1073,9 @@ LYNX_ATTENTION_AVX512_TARGET void accumulate_values_avx512(const plane_kv_source
   const bool two = src.planes > 8;
   prefetch_walk walk;  // the next split's keys, stepped by the passes below
   src.walk_split(walk, true, next.kv_head, next.t0, next.t1);
+  // a step per two tokens of each pass (4 heads x 32 channels, or fewer heads x 64)
+  const int walk_lines = walk_step_lines(
+      walk, nblocks * attention_block_tokens / 2 * ((heads + 3) / 4) * ((D + 31) / 32));
   // The weights of a pass's heads and groups are computed right before it, into
   // rows [heads of the pass][its groups] at the start of w.weights (at most 16
   // KiB for 4 heads and one group), so they are written and read in L1.
@@ -1111,16 +1099,19 @@ LYNX_ATTENTION_AVX512_TARGET void accumulate_values_avx512(const plane_kv_source
           }
           const float* wh = w.weights + (b0 * attention_block_tokens - t0);
           const bool one_group = N > 1 && c0 % (16 * N) == 0 && VG % (16 * N) == 0;
-          auto run = [&]<bool Two, bool One>() {
-            add_values_token_major_gfni<HC, N, Two, One>(
+          auto run = [&]<bool Two, bool One, int Lines>() {
+            add_values_token_major_gfni<HC, N, Two, One, Lines>(
                 rows, stride, nblocks, src.planes, c0, rest, VG, wh, have_gn, have_g0, D, ah, walk);
           };
           if (two)
-            one_group ? run.template operator()<true, true>()
-                      : run.template operator()<true, false>();
+            one_group ? run.template operator()<true, true, 3>()
+                      : run.template operator()<true, false, 3>();
+          else if (walk_lines == 1)
+            one_group ? run.template operator()<false, true, 1>()
+                      : run.template operator()<false, false, 1>();
           else
-            one_group ? run.template operator()<false, true>()
-                      : run.template operator()<false, false>();
+            one_group ? run.template operator()<false, true, 2>()
+                      : run.template operator()<false, false, 2>();
           c0 += 16 * N;
         };
         if (rest >= 16 * NC)

@@ -70,4 +70,10 @@ struct prefetch_walk {
   }
 };
 
+/// Lines per step (1 or 2) for a walk to end within `steps` steps; kernels
+/// reading two code bytes per token step 3 lines regardless.
+inline int walk_step_lines(const prefetch_walk& walk, std::int64_t steps) {
+  return walk.lines_left() > steps ? 2 : 1;
+}
+
 }  // namespace lynx::detail

@@ -179,7 +179,8 @@ TEST_CASE_TEMPLATE("attention on every precision level matches fp64 on the recon
                       3);  // stories260K's shape: 4 kv heads, 2 q heads each, ~300 prompt tokens
   accuracy_case<Plan>(70, 2, 4, 16, 3, 2);
   accuracy_case<Plan>(90, 1, 8, 32, 2, 2);
-  accuracy_case<Plan>(45, 2, 2, 24, 3, 2);  // one chunk of 16 channels and one of 8
+  accuracy_case<Plan>(45, 2, 2, 24, 3, 2);   // one chunk of 16 channels and one of 8
+  accuracy_case<Plan>(140, 1, 3, 64, 2, 2);  // 3 heads per kv head, a last partial block
 }
 
 TEST_CASE_TEMPLATE("groups of 64 tokens / channels: a value group spans several channel passes",

@@ -15,8 +15,9 @@ namespace lynx_bench {
 
 // A token-major cache read one kv head at a time touches a new 4 KiB page every
 // 2 tokens (rows are kv_heads * head_dim * 2 bytes = 2 KiB apart), so on small
-// pages such a walk is bound by page walks, not by the bytes (bf16 decode
-// attention at 32K tokens: about 15 ms on 4 KiB pages, 7.7 ms on huge pages).
+// pages such a walk pays for page walks on top of the bytes (bf16 decode
+// attention at 32K tokens, single thread: about 7.4 ms on 4 KiB pages, 5.7 ms
+// on huge pages).
 template <class T>
 class huge_page_array {
  public:

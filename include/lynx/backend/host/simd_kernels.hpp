@@ -332,19 +332,15 @@ struct next_rows {
   const kv_view<const T, host_space>* keys = nullptr;
   const kv_view<const T, host_space>* values = nullptr;
   std::int64_t h = 0, t0 = 0, t1 = 0;  // t1 == t0: no next item
-  static void prefetch_row(const T* row, std::int64_t bytes) {
-    for (std::int64_t o = 0; o < bytes; o += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(row) + o, _MM_HINT_T0);
-  }
   LYNX_ALWAYS_INLINE void prefetch_key_row(std::int64_t i) const {
     if (t0 + i < t1)
-      prefetch_row(&(*keys)(t0 + i, h, 0),
-                   keys->shape.head_dim * static_cast<std::int64_t>(sizeof(T)));
+      prefetch_lines<3>(&(*keys)(t0 + i, h, 0),
+                        keys->shape.head_dim * static_cast<std::int64_t>(sizeof(T)));
   }
   LYNX_ALWAYS_INLINE void prefetch_value_row(std::int64_t i) const {
     if (t0 + i < t1)
-      prefetch_row(&(*values)(t0 + i, h, 0),
-                   values->shape.head_dim * static_cast<std::int64_t>(sizeof(T)));
+      prefetch_lines<3>(&(*values)(t0 + i, h, 0),
+                        values->shape.head_dim * static_cast<std::int64_t>(sizeof(T)));
   }
 };
 
@@ -1209,7 +1205,7 @@ void reconstruct_block(const layer_geometry& g, std::int64_t h, std::int64_t b, 
                        __m512i* stage_lo, prefetch_walk& next) {
   const std::int64_t D = g.head_dim, chunks = D / 16, T_ = g.tokens;
   const std::int64_t t0 = b * tokens_per_word, n = std::min<std::int64_t>(tokens_per_word, T_ - t0);
-  const int lines_per_row = static_cast<int>((next.lines_left() + 2 * n - 1) / (2 * n));
+  const int lines_per_row = walk_step_lines(next, 2 * n);  // a step per row written
   const __m512 half_v = _mm512_set1_ps(half);
   const bool lut_path = P <= 4;
   const bool stream = 2 * g.tokens * g.kv_heads * D * static_cast<std::int64_t>(sizeof(T)) >=

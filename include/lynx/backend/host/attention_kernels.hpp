@@ -765,8 +765,9 @@ LYNX_ATTENTION_GFNI_INLINE void decode_chunk_gfni(const std::uint32_t* const* ro
 /// registers (no tile in memory) and multiplying right away; each head's two
 /// token halves accumulate in channel order, exactly as score_block_avx512.
 /// Any head_dim: a last chunk of D % 16 channels reads only those channels.
-/// Two: more than 8 planes. `walk` steps Lines lines every other channel.
-template <int HC, bool Two, int Lines>
+/// Two: more than 8 planes. `walk` steps Lines lines every other channel, into
+/// the cache level of Hint.
+template <int HC, bool Two, int Lines, int Hint>
 LYNX_ATTENTION_GFNI_TARGET inline void score_block_fused_gfni(const std::uint32_t* const* rows,
                                                               int planes, int D, const float* qs,
                                                               const float* bias, float* out,
@@ -781,7 +782,7 @@ LYNX_ATTENTION_GFNI_TARGET inline void score_block_fused_gfni(const std::uint32_
     __m512 (*a)[2];
     prefetch_walk& walk;
     LYNX_ATTENTION_GFNI_INLINE void operator()(int i, const __m512* k) const {
-      if (i % 2 == 0) walk.step<Lines>();
+      if (i % 2 == 0) walk.step<Lines, Hint>();
       for (int h = 0; h < HC; ++h) {
         const __m512 qv = _mm512_set1_ps(qh[h][i]);
         a[h][0] = _mm512_fmadd_ps(qv, k[0], a[h][0]);
@@ -868,8 +869,8 @@ LYNX_ATTENTION_GFNI_INLINE void token_major_codes_gfni(const std::uint32_t* cons
 /// rows0[j]: plane j's words of the first block; stride[j]: words to the next block.
 /// OneGroup: the NC chunks lie in one value group, so each head's weight is
 /// broadcast once per token for all of them (the same values, the same bits).
-/// `walk` steps Lines lines every other token.
-template <int HC, int NC, bool TwoBytes, bool OneGroup, int Lines>
+/// `walk` steps Lines lines every other token, into the cache level of Hint.
+template <int HC, int NC, bool TwoBytes, bool OneGroup, int Lines, int Hint>
 LYNX_ATTENTION_GFNI_TARGET void add_values_token_major_gfni(
     const std::uint32_t* const* rows0, const std::int64_t* stride, std::int64_t nblocks, int planes,
     int c0, int channels, std::int64_t VG, const float* weights, std::int64_t groups,
@@ -898,7 +899,7 @@ LYNX_ATTENTION_GFNI_TARGET void add_values_token_major_gfni(
     for (int q = 0; q < 4; ++q)
       for (int r = 0; r < 8; ++r) {
         const int t = 8 * q + r;
-        if (r % 2 == 0) walk.step<Lines>();
+        if (r % 2 == 0) walk.step<Lines, Hint>();
         __m512 code[NC];
         for (int n = 0; n < NC; ++n) {
           __m512i x = _mm512_maskz_permutexvar_epi8(gfni_low_bytes, zext[q], hi[n][r]);
@@ -1015,14 +1016,17 @@ LYNX_ATTENTION_AVX512_TARGET void score_tokens_avx512(const plane_kv_source<Plan
       for (int h = 0; h < heads; h += 8)
         dispatch<1, 2, 3, 4, 5, 6, 7, 8>(std::min(8, heads - h), [&]<int HC>() {
           float* o = out + h * attention_split_tokens;
-          if (src.planes > 8)
-            score_block_fused_gfni<HC, true, 3>(rows, src.planes, D, qs + h * D, bias + h, o, walk);
-          else if (walk_lines <= 1)
-            score_block_fused_gfni<HC, false, 1>(rows, src.planes, D, qs + h * D, bias + h, o,
-                                                 walk);
-          else
-            score_block_fused_gfni<HC, false, 2>(rows, src.planes, D, qs + h * D, bias + h, o,
-                                                 walk);
+          with_walk_hint(walk, [&]<int Hint>() {
+            if (src.planes > 8)
+              score_block_fused_gfni<HC, true, 3, Hint>(rows, src.planes, D, qs + h * D, bias + h,
+                                                        o, walk);
+            else if (walk_lines <= 1)
+              score_block_fused_gfni<HC, false, 1, Hint>(rows, src.planes, D, qs + h * D, bias + h,
+                                                         o, walk);
+            else
+              score_block_fused_gfni<HC, false, 2, Hint>(rows, src.planes, D, qs + h * D, bias + h,
+                                                         o, walk);
+          });
         });
       continue;
     }
@@ -1092,8 +1096,11 @@ LYNX_ATTENTION_AVX512_TARGET void accumulate_values_avx512(const plane_kv_source
           const float* wh = w.weights + (b0 * attention_block_tokens - t0);
           const bool one_group = N > 1 && c0 % (16 * N) == 0 && VG % (16 * N) == 0;
           auto run = [&]<bool Two, bool One, int Lines>() {
-            add_values_token_major_gfni<HC, N, Two, One, Lines>(
-                rows, stride, nblocks, src.planes, c0, rest, VG, wh, have_gn, have_g0, D, ah, walk);
+            with_walk_hint(walk, [&]<int Hint>() {
+              add_values_token_major_gfni<HC, N, Two, One, Lines, Hint>(
+                  rows, stride, nblocks, src.planes, c0, rest, VG, wh, have_gn, have_g0, D, ah,
+                  walk);
+            });
           };
           if (two)
             one_group ? run.template operator()<true, true, 3>()

@@ -18,6 +18,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "lynx/attention/tile_math.hpp"
 #include "lynx/backend/host/prefetch.hpp"
@@ -252,9 +253,11 @@ void value_weights_portable(const plane_kv_source<Plan, G>& src, std::int64_t kv
 }
 
 /// acc[h][c] = offsets[h][grp(c)] + sum_t weights[h][grp(c)][t] * code(t, c):
-/// one fused multiply-add per token in token order, starting from 0, then the
-/// offset. Lane = channel in the SIMD kernels: every (head, channel) sum is one
-/// chain, so the sums stay in registers and need no reduction at the end.
+/// two sums per (head, channel), over the even and over the odd tokens, each
+/// one fused multiply-add per token in token order starting from 0; then
+/// even + odd, then the offset. Lane = channel in the SIMD kernels, which take
+/// two tokens per step (a lane per token parity): the sums stay in registers
+/// and need one addition at the end.
 template <stream_plan_type Plan, int G>
 void accumulate_values_portable(const plane_kv_source<Plan, G>& src, std::int64_t kv_head,
                                 int heads, std::int64_t t0, std::int64_t t1, float* acc,
@@ -263,22 +266,26 @@ void accumulate_values_portable(const plane_kv_source<Plan, G>& src, std::int64_
   const int D = static_cast<int>(g.head_dim);
   const std::int64_t groups = g.value_channel_groups(), VG = g.value_group;
   std::fill(acc, acc + heads * D, 0.0f);
+  std::vector<float> odd(static_cast<std::size_t>(heads * D), 0.0f);  // the odd tokens' sums
   const std::uint32_t* rows[16];
   for (std::int64_t b = t0 / attention_block_tokens; b * attention_block_tokens < t1; ++b) {
     src.block_rows(false, kv_head, b, rows);
     const std::int64_t tb = b * attention_block_tokens;
-    for (std::int64_t t = std::max(tb, t0); t < std::min(tb + attention_block_tokens, t1); ++t)
+    for (std::int64_t t = std::max(tb, t0); t < std::min(tb + attention_block_tokens, t1); ++t) {
+      float* sums = t % 2 == 0 ? acc : odd.data();
       for (int c = 0; c < D; ++c) {
         std::uint32_t k = 0;
         for (int j = 0; j < src.planes; ++j)
           k = (k << 1) | token_bit(rows[j][c], static_cast<int>(t - tb));
         const float code = static_cast<float>(k);
         for (int h = 0; h < heads; ++h)
-          acc[h * D + c] = detail::fused_multiply_add(
+          sums[h * D + c] = detail::fused_multiply_add(
               w.weights[(h * groups + c / VG) * attention_split_tokens + (t - t0)], code,
-              acc[h * D + c]);
+              sums[h * D + c]);
       }
+    }
   }
+  for (std::int64_t i = 0; i < heads * D; ++i) acc[i] += odd[static_cast<std::size_t>(i)];
   add_value_offsets(w.offsets, heads, D, groups, VG, acc);
 }
 
@@ -808,126 +815,134 @@ LYNX_ATTENTION_GFNI_TARGET inline void score_block_fused_gfni(const std::uint32_
   walk_io = walk;
 }
 
-/// Token-major codes of one 32-token block for 16 channels c0..c0+15, from
-/// planes [first, first + count) (count <= 8): out[r], 128-bit lane k, byte i is
-/// the code of token 8k + r, channel c0 + i, with plane `first` in the top bit
-/// (prefix << (8 - count) of these planes). Channels >= D read as zero words.
-///   1. per plane, one byte permute makes qword (k, half) = the token byte k of
-///      channels 8 half + 7 .. 8 half (so the transposes below come out in
-///      channel order), and GF2P8AFFINEQB transposes each 8x8 bit matrix: byte
-///      i = the plane's bits of token 8k + i over the 8 channels;
-///   2. three unpack levels gather the 8 planes' bytes of one (token, half) into
-///      a qword, and a second GF2P8AFFINEQB turns it into 8 channel codes;
-///   3. the two halves of a token are joined into 16 bytes.
-LYNX_ATTENTION_GFNI_INLINE void token_major_codes_gfni(const std::uint32_t* const* rows, int first,
-                                                       int count, int c0, int channels,
-                                                       __m512i out[8]) {
-  alignas(64) static constexpr std::uint8_t gather_bytes[64] = {
-#define LYNX_Q(k, half)                                                                           \
-  4 * (8 * half + 7) + k, 4 * (8 * half + 6) + k, 4 * (8 * half + 5) + k, 4 * (8 * half + 4) + k, \
-      4 * (8 * half + 3) + k, 4 * (8 * half + 2) + k, 4 * (8 * half + 1) + k,                     \
-      4 * (8 * half + 0) + k
-      LYNX_Q(0, 0), LYNX_Q(0, 1), LYNX_Q(1, 0), LYNX_Q(1, 1), LYNX_Q(2, 0),
-      LYNX_Q(2, 1), LYNX_Q(3, 0), LYNX_Q(3, 1)
-#undef LYNX_Q
-  };
-  const __m512i gather = _mm512_load_si512(gather_bytes);
-  const __m512i tr = _mm512_set1_epi64(static_cast<long long>(0x8040201008040201ull));
+/// Plane matrices of one 32-token block for 16 channels c0..c0+15, from planes
+/// [first, first + count) (count <= 8): m[2 o + u], qword (L, q) holds in byte j
+/// plane (first + j)'s bits of tokens 8o..8o+7 (bit i = token 8o + i) for
+/// channel c0 + 4L + 2u + q. Channels past `channels` read as zero words.
+///   1. a byte shuffle per plane puts each 128-bit lane in octet-major order
+///      (byte 4o + c' = byte o of channel 4L + c');
+///   2. three unpack levels gather the 8 planes' bytes of one (octet, channel).
+/// GF2P8AFFINEQB with one bit per byte of its first operand then reads the
+/// codes of chosen tokens out of each matrix (see pair_codes_gfni).
+LYNX_ATTENTION_GFNI_INLINE void plane_matrices_gfni(const std::uint32_t* const* rows, int first,
+                                                    int count, int c0, int channels, __m512i m[8]) {
+  const __m512i octet_major =
+      _mm512_broadcast_i32x4(_mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15));
   const __mmask16 live = channels >= 16 ? static_cast<__mmask16>(0xFFFF)
                                         : static_cast<__mmask16>((1u << channels) - 1u);
-  __m512i y[8];
-  for (int j = 0; j < 8; ++j) {
-    if (j >= count) {
-      y[j] = _mm512_setzero_si512();
-      continue;
-    }
-    const __m512i wv = channels >= 16 ? _mm512_loadu_si512(rows[first + j] + c0)
-                                      : _mm512_maskz_loadu_epi32(live, rows[first + j] + c0);
-    y[j] = _mm512_gf2p8affine_epi64_epi8(tr, _mm512_permutexvar_epi8(gather, wv), 0);
-  }
+  __m512i x[8];
+  for (int j = 0; j < 8; ++j)
+    x[j] = j >= count ? _mm512_setzero_si512()
+                      : _mm512_shuffle_epi8(
+                            channels >= 16 ? _mm512_loadu_si512(rows[first + j] + c0)
+                                           : _mm512_maskz_loadu_epi32(live, rows[first + j] + c0),
+                            octet_major);
   __m512i b[2][2][2];
-  interleave_bytes_of_8(y, b);
-  for (int s2 = 0; s2 < 2; ++s2)
-    for (int u = 0; u < 2; ++u) {
-      __m512i z[2];
-      for (int h = 0; h < 2; ++h)
-        z[h] =
-            _mm512_gf2p8affine_epi64_epi8(tr,
-                                          u == 0 ? _mm512_unpacklo_epi32(b[0][h][s2], b[1][h][s2])
-                                                 : _mm512_unpackhi_epi32(b[0][h][s2], b[1][h][s2]),
-                                          0);
-      out[4 * s2 + 2 * u] = _mm512_unpacklo_epi64(z[0], z[1]);
-      out[4 * s2 + 2 * u + 1] = _mm512_unpackhi_epi64(z[0], z[1]);
+  interleave_bytes_of_8(x, b);
+  // b[.][h][s] holds lane bytes 8h + 4s .. 8h + 4s + 3 = octet 2h + s, channels 4L + 0..3
+  for (int h = 0; h < 2; ++h)
+    for (int s2 = 0; s2 < 2; ++s2) {
+      m[2 * (2 * h + s2)] = _mm512_unpacklo_epi32(b[0][h][s2], b[1][h][s2]);
+      m[2 * (2 * h + s2) + 1] = _mm512_unpackhi_epi32(b[0][h][s2], b[1][h][s2]);
     }
 }
 
+/// First operand of GF2P8AFFINEQB that reads tokens 2i and 2i + 1 of an octet
+/// out of every plane matrix: their codes land in the low bytes of the qword's
+/// two dwords (plane `first` in the top bit), the other bytes are 0.
+LYNX_ATTENTION_GFNI_INLINE __m512i token_pair_pick_gfni(int i) {
+  return _mm512_set1_epi64(static_cast<long long>((1ull << (2 * i)) | (1ull << (2 * i + 1 + 32))));
+}
+
 /// Adds the value blocks [b0, b0 + nblocks) of NC chunks of 16 channels
-/// (c0 + 16 n) to the sums of HC heads: acc[h][n] (lane = channel) gains
-/// w[h][grp][t] * code(t, c) token by token, in token order.
+/// (c0 + 16 n) to the sums of HC heads, two tokens per step: a register holds
+/// 8 channels x (token t, token t + 1), multiplied by the weights (w[t],
+/// w[t + 1]) broadcast as a pair, so each channel keeps two sums, over even
+/// and over odd tokens, each in token order; they are added at the end, as in
+/// accumulate_values_portable. Lanes: dword 4L + 2q + d of sum[h][n][u] is
+/// channel c0 + 16 n + 4L + 2u + q, token parity d.
 /// weights: [HC][groups][S] (groups g_base, g_base + 1, ...) at the first block's first
 /// token, already times 2^-(decoded_bits - P) (the codes here are prefix << (decoded_bits - P)).
 /// rows0[j]: plane j's words of the first block; stride[j]: words to the next block.
-/// OneGroup: the NC chunks lie in one value group, so each head's weight is
-/// broadcast once per token for all of them (the same values, the same bits).
-/// `walk` steps Lines lines every other token, into the cache level of Hint.
+/// OneGroup: the NC chunks lie in one value group, so each head's weights are
+/// broadcast once per step for all of them (the same values, the same bits).
+/// `walk` steps Lines lines per token pair, into the cache level of Hint.
 template <int HC, int NC, bool TwoBytes, bool OneGroup, int Lines, int Hint>
-LYNX_ATTENTION_GFNI_TARGET void add_values_token_major_gfni(
+LYNX_ATTENTION_GFNI_TARGET void add_values_pairs_gfni(
     const std::uint32_t* const* rows0, const std::int64_t* stride, std::int64_t nblocks, int planes,
     int c0, int channels, std::int64_t VG, const float* weights, std::int64_t groups,
     std::int64_t g_base, std::int64_t head_stride /*floats between heads in acc*/, float* acc,
     prefetch_walk& walk_io) {
   prefetch_walk walk = walk_io;  // a local copy: its cursor stays in registers
-  __m512 sum[HC][NC];
+  __m512 sum[HC][NC][2];
   for (int h = 0; h < HC; ++h)
-    for (int n = 0; n < NC; ++n) sum[h][n] = _mm512_setzero_ps();
+    for (int n = 0; n < NC; ++n) sum[h][n][0] = sum[h][n][1] = _mm512_setzero_ps();
   const float* wn[HC][NC];
   for (int h = 0; h < HC; ++h)
     for (int n = 0; n < NC; ++n)
       wn[h][n] = weights + (h * groups + (c0 + 16 * n) / VG - g_base) * attention_split_tokens;
-  __m512i zext[4];
-  token_byte_zext_gfni(zext);
+  __m512i pick[4];
+  for (int i = 0; i < 4; ++i) pick[i] = token_pair_pick_gfni(i);
+  auto pair_weights = [](const float* w) {  // (w[0], w[1]) in every qword
+    double d;
+    std::memcpy(&d, w, sizeof d);
+    return d;
+  };
   const std::uint32_t* rows[16];
   for (std::int64_t k = 0; k < nblocks; ++k) {
     for (int j = 0; j < planes; ++j) rows[j] = rows0[j] + k * stride[j];
     __m512i hi[NC][8], lo[TwoBytes ? NC : 1][8];
     for (int n = 0; n < NC; ++n) {
       const int cn = channels - 16 * n;
-      token_major_codes_gfni(rows, 0, TwoBytes ? 8 : planes, c0 + 16 * n, cn, hi[n]);
-      if constexpr (TwoBytes) token_major_codes_gfni(rows, 8, planes - 8, c0 + 16 * n, cn, lo[n]);
+      plane_matrices_gfni(rows, 0, TwoBytes ? 8 : planes, c0 + 16 * n, cn, hi[n]);
+      if constexpr (TwoBytes) plane_matrices_gfni(rows, 8, planes - 8, c0 + 16 * n, cn, lo[n]);
     }
     const std::int64_t tb = k * attention_block_tokens;
-    for (int q = 0; q < 4; ++q)
-      for (int r = 0; r < 8; ++r) {
-        const int t = 8 * q + r;
-        if (r % 2 == 0) walk.step<Lines, Hint>();
-        __m512 code[NC];
-        for (int n = 0; n < NC; ++n) {
-          __m512i x = _mm512_maskz_permutexvar_epi8(gfni_low_bytes, zext[q], hi[n][r]);
-          if constexpr (TwoBytes)
-            x = _mm512_or_si512(_mm512_slli_epi32(x, 8),
-                                _mm512_maskz_permutexvar_epi8(gfni_low_bytes, zext[q], lo[n][r]));
-          code[n] = _mm512_cvtepi32_ps(x);
-        }
+#pragma GCC unroll 4
+    for (int o = 0; o < 4; ++o)
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) {
+        const int t = 8 * o + 2 * i;
+        walk.step<Lines, Hint>();
+        __m512 code[NC][2];
+        for (int n = 0; n < NC; ++n)
+          for (int u = 0; u < 2; ++u) {
+            __m512i x = _mm512_gf2p8affine_epi64_epi8(pick[i], hi[n][2 * o + u], 0);
+            if constexpr (TwoBytes)
+              x = _mm512_or_si512(_mm512_slli_epi32(x, 8),
+                                  _mm512_gf2p8affine_epi64_epi8(pick[i], lo[n][2 * o + u], 0));
+            code[n][u] = _mm512_cvtepi32_ps(x);
+          }
         for (int h = 0; h < HC; ++h) {
           if constexpr (OneGroup) {
-            const __m512 wv = _mm512_set1_ps(wn[h][0][tb + t]);
-            for (int n = 0; n < NC; ++n) sum[h][n] = _mm512_fmadd_ps(wv, code[n], sum[h][n]);
-          } else {
+            const __m512 wv = _mm512_castpd_ps(_mm512_set1_pd(pair_weights(wn[h][0] + tb + t)));
             for (int n = 0; n < NC; ++n)
-              sum[h][n] = _mm512_fmadd_ps(_mm512_set1_ps(wn[h][n][tb + t]), code[n], sum[h][n]);
+              for (int u = 0; u < 2; ++u)
+                sum[h][n][u] = _mm512_fmadd_ps(wv, code[n][u], sum[h][n][u]);
+          } else {
+            for (int n = 0; n < NC; ++n) {
+              const __m512 wv = _mm512_castpd_ps(_mm512_set1_pd(pair_weights(wn[h][n] + tb + t)));
+              for (int u = 0; u < 2; ++u)
+                sum[h][n][u] = _mm512_fmadd_ps(wv, code[n][u], sum[h][n][u]);
+            }
           }
         }
       }
   }
+  // channel 4L + 2u + q: even-token sum (lane 4L + 2q of sum[u]) + odd-token sum (lane + 1)
+  const __m512i even = _mm512_setr_epi32(0, 2, 16, 18, 4, 6, 20, 22, 8, 10, 24, 26, 12, 14, 28, 30);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
   for (int h = 0; h < HC; ++h)
     for (int n = 0; n < NC; ++n) {
       const int cn = channels - 16 * n;
       if (cn <= 0) continue;
+      const __m512 v = _mm512_add_ps(_mm512_permutex2var_ps(sum[h][n][0], even, sum[h][n][1]),
+                                     _mm512_permutex2var_ps(sum[h][n][0], odd, sum[h][n][1]));
       float* o = acc + h * head_stride + c0 + 16 * n;
       if (cn >= 16)
-        _mm512_storeu_ps(o, sum[h][n]);
+        _mm512_storeu_ps(o, v);
       else
-        _mm512_mask_storeu_ps(o, static_cast<__mmask16>((1u << cn) - 1u), sum[h][n]);
+        _mm512_mask_storeu_ps(o, static_cast<__mmask16>((1u << cn) - 1u), v);
     }
   walk_io = walk;
 }
@@ -1097,9 +1112,9 @@ LYNX_ATTENTION_AVX512_TARGET void accumulate_values_avx512(const plane_kv_source
           const bool one_group = N > 1 && c0 % (16 * N) == 0 && VG % (16 * N) == 0;
           auto run = [&]<bool Two, bool One, int Lines>() {
             with_walk_hint(walk, [&]<int Hint>() {
-              add_values_token_major_gfni<HC, N, Two, One, Lines, Hint>(
-                  rows, stride, nblocks, src.planes, c0, rest, VG, wh, have_gn, have_g0, D, ah,
-                  walk);
+              add_values_pairs_gfni<HC, N, Two, One, Lines, Hint>(rows, stride, nblocks, src.planes,
+                                                                  c0, rest, VG, wh, have_gn,
+                                                                  have_g0, D, ah, walk);
             });
           };
           if (two)

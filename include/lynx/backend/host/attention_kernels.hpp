@@ -737,6 +737,7 @@ LYNX_ATTENTION_GFNI_INLINE void token_byte_zext_gfni(__m512i zext[4]) {
                         5, 4, 4, 4, 4, 3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0));
 }
 inline constexpr __mmask64 gfni_low_bytes = 0x1111111111111111ull;
+inline constexpr __mmask64 gfni_two_low_bytes = 0x3333333333333333ull;
 
 /// Codes of `cn` (<= 16) channels c0 + i of one block, as floats (lane = token,
 /// k[i][0]: tokens 0-15, k[i][1]: tokens 16-31), each channel handed to `use(i, k)`
@@ -756,12 +757,13 @@ LYNX_ATTENTION_GFNI_INLINE void decode_chunk_gfni(const std::uint32_t* const* ro
       if (4 * L + m >= cn) return;
       __m512 k[2];
       for (int s3 = 0; s3 < 2; ++s3) {
-        __m512i code =
-            _mm512_maskz_permutexvar_epi8(gfni_low_bytes, zext[L], hi[m >> 1][m & 1][s3]);
-        if constexpr (Two)
-          code = _mm512_or_si512(
-              _mm512_slli_epi32(code, 8),
-              _mm512_maskz_permutexvar_epi8(gfni_low_bytes, zext[L], lo[m >> 1][m & 1][s3]));
+        __m512i code;
+        if constexpr (Two)  // one two-source permute: byte 0 from lo, byte 1 (index + 64) from hi
+          code = _mm512_maskz_permutex2var_epi8(gfni_two_low_bytes, lo[m >> 1][m & 1][s3],
+                                                _mm512_or_si512(zext[L], _mm512_set1_epi32(0x4000)),
+                                                hi[m >> 1][m & 1][s3]);
+        else
+          code = _mm512_maskz_permutexvar_epi8(gfni_low_bytes, zext[L], hi[m >> 1][m & 1][s3]);
         k[s3] = _mm512_cvtepi32_ps(code);
       }
       use(4 * L + m, k);
@@ -881,8 +883,10 @@ LYNX_ATTENTION_GFNI_TARGET void add_values_pairs_gfni(
   for (int h = 0; h < HC; ++h)
     for (int n = 0; n < NC; ++n)
       wn[h][n] = weights + (h * groups + (c0 + 16 * n) / VG - g_base) * attention_split_tokens;
-  __m512i pick[4];
+  __m512i pick[4], pick_high[TwoBytes ? 4 : 1];
   for (int i = 0; i < 4; ++i) pick[i] = token_pair_pick_gfni(i);
+  if constexpr (TwoBytes)
+    for (int i = 0; i < 4; ++i) pick_high[i] = _mm512_slli_epi64(pick[i], 8);
   auto pair_weights = [](const float* w) {  // (w[0], w[1]) in every qword
     double d;
     std::memcpy(&d, w, sizeof d);
@@ -907,10 +911,12 @@ LYNX_ATTENTION_GFNI_TARGET void add_values_pairs_gfni(
         __m512 code[NC][2];
         for (int n = 0; n < NC; ++n)
           for (int u = 0; u < 2; ++u) {
-            __m512i x = _mm512_gf2p8affine_epi64_epi8(pick[i], hi[n][2 * o + u], 0);
-            if constexpr (TwoBytes)
-              x = _mm512_or_si512(_mm512_slli_epi32(x, 8),
+            __m512i x;
+            if constexpr (TwoBytes)  // the high planes' codes land in byte 1 of each dword
+              x = _mm512_or_si512(_mm512_gf2p8affine_epi64_epi8(pick_high[i], hi[n][2 * o + u], 0),
                                   _mm512_gf2p8affine_epi64_epi8(pick[i], lo[n][2 * o + u], 0));
+            else
+              x = _mm512_gf2p8affine_epi64_epi8(pick[i], hi[n][2 * o + u], 0);
             code[n][u] = _mm512_cvtepi32_ps(x);
           }
         for (int h = 0; h < HC; ++h) {

@@ -825,7 +825,7 @@ LYNX_ATTENTION_GFNI_TARGET inline void score_block_fused_gfni(const std::uint32_
 ///      (byte 4o + c' = byte o of channel 4L + c');
 ///   2. three unpack levels gather the 8 planes' bytes of one (octet, channel).
 /// GF2P8AFFINEQB with one bit per byte of its first operand then reads the
-/// codes of chosen tokens out of each matrix (see pair_codes_gfni).
+/// codes of chosen tokens out of each matrix (token_pair_pick_gfni).
 LYNX_ATTENTION_GFNI_INLINE void plane_matrices_gfni(const std::uint32_t* const* rows, int first,
                                                     int count, int c0, int channels, __m512i m[8]) {
   const __m512i octet_major =

@@ -20,8 +20,9 @@ namespace lynx::detail {
 /// or values of 1,024 tokens), which a small L1 cannot hold beside the
 /// kernel's own rows. Measured at 32K tokens, one thread: with a 32 KiB L1 (AMD
 /// Zen 4) L2 prefetches took all of 8 = 4 + 4 from 12.6 to 10.3 ms and
-/// 16 = 4 + 12 from 19.6 to 14.9 ms; with a 48 KiB L1 (Zen 5) they made all of
-/// 8 = 4 + 4 slower, 5.4 -> 7.3 ms.
+/// 16 = 4 + 12 from 19.6 to 14.9 ms; on the machine the walks were first tuned
+/// on (two full-width AVX-512 FMA pipes, so a core with a 48 KiB L1) they made
+/// all of 8 = 4 + 4 slower, 5.4 -> 7.3 ms.
 inline bool walk_into_l2() {
 #if defined(__unix__) && defined(_SC_LEVEL1_DCACHE_SIZE)
   static const bool small_l1 = [] {

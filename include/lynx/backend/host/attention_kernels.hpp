@@ -18,7 +18,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <vector>
 
 #include "lynx/attention/tile_math.hpp"
 #include "lynx/backend/host/prefetch.hpp"
@@ -140,6 +139,7 @@ struct split_scratch {
   float* offsets;  // [heads][value groups]
   float* tile;     // [head_dim][32]: codes of one block, lane = token (or 16 float key rows)
   float* queries;  // [heads][head_dim]: the group's queries times the softmax scale
+  float* odd;      // [heads][head_dim]: the odd tokens' value sums (portable bit-plane path)
 };
 
 /// Floats of one worker's scratch for `heads` query heads per kv head, and
@@ -148,8 +148,8 @@ inline std::int64_t split_scratch_floats(std::int64_t heads, std::int64_t head_d
                                          std::int64_t value_groups) {
   const std::int64_t S = attention_split_tokens;
   return heads * S + 2 * heads * head_dim + 2 * heads + heads * value_groups * S +
-         heads * value_groups + head_dim * attention_block_tokens + heads * head_dim + 8 * 16 +
-         1024;  // + the shift of `weights` (carve_scratch)
+         heads * value_groups + head_dim * attention_block_tokens + 2 * heads * head_dim + 8 * 16 +
+         1024;  // + 8 alignments and the shift of `weights` (carve_scratch)
 }
 
 inline split_scratch carve_scratch(float* base, std::int64_t heads, std::int64_t head_dim,
@@ -172,6 +172,7 @@ inline split_scratch carve_scratch(float* base, std::int64_t heads, std::int64_t
   s.offsets = align(s.weights + heads * value_groups * S);
   s.tile = align(s.offsets + heads * value_groups);
   s.queries = align(s.tile + head_dim * attention_block_tokens);
+  s.odd = align(s.queries + heads * head_dim);
   return s;
 }
 
@@ -265,14 +266,15 @@ void accumulate_values_portable(const plane_kv_source<Plan, G>& src, std::int64_
   const layer_geometry& g = src.view.geometry;
   const int D = static_cast<int>(g.head_dim);
   const std::int64_t groups = g.value_channel_groups(), VG = g.value_group;
+  float* odd = w.odd;
   std::fill(acc, acc + heads * D, 0.0f);
-  std::vector<float> odd(static_cast<std::size_t>(heads * D), 0.0f);  // the odd tokens' sums
+  std::fill(odd, odd + heads * D, 0.0f);
   const std::uint32_t* rows[16];
   for (std::int64_t b = t0 / attention_block_tokens; b * attention_block_tokens < t1; ++b) {
     src.block_rows(false, kv_head, b, rows);
     const std::int64_t tb = b * attention_block_tokens;
     for (std::int64_t t = std::max(tb, t0); t < std::min(tb + attention_block_tokens, t1); ++t) {
-      float* sums = t % 2 == 0 ? acc : odd.data();
+      float* sums = t % 2 == 0 ? acc : odd;
       for (int c = 0; c < D; ++c) {
         std::uint32_t k = 0;
         for (int j = 0; j < src.planes; ++j)
@@ -285,7 +287,7 @@ void accumulate_values_portable(const plane_kv_source<Plan, G>& src, std::int64_
       }
     }
   }
-  for (std::int64_t i = 0; i < heads * D; ++i) acc[i] += odd[static_cast<std::size_t>(i)];
+  for (std::int64_t i = 0; i < heads * D; ++i) acc[i] += odd[i];
   add_value_offsets(w.offsets, heads, D, groups, VG, acc);
 }
 
@@ -675,6 +677,19 @@ LYNX_ATTENTION_AVX512_TARGET inline void decode_key_block_avx512(const std::uint
 #define LYNX_ATTENTION_GFNI_TARGET \
   __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vbmi,gfni,fma")))
 
+/// The words of 16 channels c0..c0+15 of planes [first, first + count)
+/// (count <= 8), one register per plane: planes past count and channels past
+/// `channels` read as zero.
+LYNX_ATTENTION_GFNI_TARGET __attribute__((always_inline)) inline void load_plane_words_gfni(
+    const std::uint32_t* const* rows, int first, int count, int c0, int channels, __m512i w[8]) {
+  const __mmask16 live = channels >= 16 ? static_cast<__mmask16>(0xFFFF)
+                                        : static_cast<__mmask16>((1u << channels) - 1u);
+  for (int j = 0; j < 8; ++j)
+    w[j] = j >= count       ? _mm512_setzero_si512()
+           : channels >= 16 ? _mm512_loadu_si512(rows[first + j] + c0)
+                            : _mm512_maskz_loadu_epi32(live, rows[first + j] + c0);
+}
+
 /// The first two levels of an 8-register byte transpose: b[p][h][s] interleaves,
 /// within each 128-bit lane, the bytes of registers 4p..4p+3 (h: bytes 0-7 or
 /// 8-15 of the lane; s: the low or high half of those), 4 bytes (one per
@@ -704,12 +719,7 @@ LYNX_ATTENTION_GFNI_TARGET __attribute__((always_inline)) inline void transpose_
     const std::uint32_t* const* rows, int first, int count, int c0, int channels,
     __m512i out[2][2][2]) {
   __m512i wv[8];
-  const __mmask16 live = channels >= 16 ? static_cast<__mmask16>(0xFFFF)
-                                        : static_cast<__mmask16>((1u << channels) - 1u);
-  for (int j = 0; j < 8; ++j)
-    wv[j] = j >= count       ? _mm512_setzero_si512()
-            : channels >= 16 ? _mm512_loadu_si512(rows[first + j] + c0)
-                             : _mm512_maskz_loadu_epi32(live, rows[first + j] + c0);
+  load_plane_words_gfni(rows, first, count, c0, channels, wv);
   __m512i bq[2][2][2];
   interleave_bytes_of_8(wv, bq);
   const __m512i tokens = _mm512_set1_epi64(static_cast<long long>(0x8040201008040201ull));
@@ -830,15 +840,10 @@ LYNX_ATTENTION_GFNI_INLINE void plane_matrices_gfni(const std::uint32_t* const* 
                                                     int count, int c0, int channels, __m512i m[8]) {
   const __m512i octet_major =
       _mm512_broadcast_i32x4(_mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15));
-  const __mmask16 live = channels >= 16 ? static_cast<__mmask16>(0xFFFF)
-                                        : static_cast<__mmask16>((1u << channels) - 1u);
   __m512i x[8];
+  load_plane_words_gfni(rows, first, count, c0, channels, x);
   for (int j = 0; j < 8; ++j)
-    x[j] = j >= count ? _mm512_setzero_si512()
-                      : _mm512_shuffle_epi8(
-                            channels >= 16 ? _mm512_loadu_si512(rows[first + j] + c0)
-                                           : _mm512_maskz_loadu_epi32(live, rows[first + j] + c0),
-                            octet_major);
+    if (j < count) x[j] = _mm512_shuffle_epi8(x[j], octet_major);
   __m512i b[2][2][2];
   interleave_bytes_of_8(x, b);
   // b[.][h][s] holds lane bytes 8h + 4s .. 8h + 4s + 3 = octet 2h + s, channels 4L + 0..3
@@ -1037,7 +1042,7 @@ LYNX_ATTENTION_AVX512_TARGET void score_tokens_avx512(const plane_kv_source<Plan
       for (int h = 0; h < heads; h += 8)
         dispatch<1, 2, 3, 4, 5, 6, 7, 8>(std::min(8, heads - h), [&]<int HC>() {
           float* o = out + h * attention_split_tokens;
-          with_walk_hint(walk, [&]<int Hint>() {
+          with_walk_hint([&]<int Hint>() {
             if (src.planes > 8)
               score_block_fused_gfni<HC, true, 3, Hint>(rows, src.planes, D, qs + h * D, bias + h,
                                                         o, walk);
@@ -1117,7 +1122,7 @@ LYNX_ATTENTION_AVX512_TARGET void accumulate_values_avx512(const plane_kv_source
           const float* wh = w.weights + (b0 * attention_block_tokens - t0);
           const bool one_group = N > 1 && c0 % (16 * N) == 0 && VG % (16 * N) == 0;
           auto run = [&]<bool Two, bool One, int Lines>() {
-            with_walk_hint(walk, [&]<int Hint>() {
+            with_walk_hint([&]<int Hint>() {
               add_values_pairs_gfni<HC, N, Two, One, Lines, Hint>(rows, stride, nblocks, src.planes,
                                                                   c0, rest, VG, wh, have_gn,
                                                                   have_g0, D, ah, walk);
@@ -1258,11 +1263,13 @@ inline void permute_query_bf16(const float* q, int heads, int D, int DP, float* 
 
 /// How far ahead (in tokens) the dense kernels ask for the rows of one kv head,
 /// into L2 (hint 2): bf16 keys and values of any element type (fp32 keys keep
-/// their own 32 rows into L1, unmeasured here). Rows lie kv_heads * head_dim apart, so the hardware
-/// prefetchers, which stay within a 4 KiB page, cannot follow them. Measured on
-/// the bf16 baseline at 32K tokens (single thread): 32 rows into L1 7.2-7.6 ms,
-/// 32 into L2 6.3, 64 into L2 5.6-5.7, 96 5.5-5.8, 192 6.8; a head-major cache
-/// (contiguous rows) 5.8. L1 holds too few outstanding misses for these bursts.
+/// their own 32 rows into L1, unmeasured here). Rows lie kv_heads * head_dim
+/// apart, so the hardware prefetchers, which stay within a 4 KiB page, cannot
+/// follow them. Measured on the bf16 baseline at 32K tokens (single thread):
+/// 32 rows into L1 7.2-7.6 ms, 32 into L2 6.3, 64 into L2 5.6-5.7, 96 5.5-5.8,
+/// 192 6.8; a head-major cache (contiguous rows) 5.8. L1 holds too few
+/// outstanding misses for these bursts. On AMD Zen 4 64 into L2 is also best
+/// (32: 12.9 ms, 64: 11.2, 128: 11.6, 192: 12.0, 64 into L1: 15.6).
 inline constexpr std::int64_t dense_prefetch_rows = 64;
 
 /// Dense bf16 scores of tokens [t0, t1): score_bf16_step_avx512 for whole steps,

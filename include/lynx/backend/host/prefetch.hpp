@@ -15,15 +15,16 @@
 
 namespace lynx::detail {
 
-/// Whether the attention walks ask into L2 rather than L1: on CPUs whose L1
-/// data cache holds 32 KiB or less. A split's walk covers up to 256 KiB (keys
-/// or values of 1,024 tokens), which a small L1 cannot hold beside the
-/// kernel's own rows. Measured at 32K tokens, one thread: with a 32 KiB L1 (AMD
-/// Zen 4) L2 prefetches took all of 8 = 4 + 4 from 12.6 to 10.3 ms and
-/// 16 = 4 + 12 from 19.6 to 14.9 ms; on the machine the walks were first tuned
-/// on (two full-width AVX-512 FMA pipes, so a core with a 48 KiB L1) they made
-/// all of 8 = 4 + 4 slower, 5.4 -> 7.3 ms.
-inline bool walk_into_l2() {
+/// Whether the prefetches that run a split or an item ahead of a kernel (the
+/// attention walks, encode's next rows) ask into L2 rather than L1: on CPUs
+/// whose L1 data cache holds 32 KiB or less. A split's walk covers up to
+/// 256 KiB (keys or values of 1,024 tokens), which a small L1 cannot hold
+/// beside the kernel's own rows. Measured at 32K tokens, one thread: with a
+/// 32 KiB L1 (AMD Zen 4) L2 prefetches took all of 8 = 4 + 4 from 12.6 to
+/// 10.3 ms and 16 = 4 + 12 from 19.6 to 14.9 ms; on the machine the walks were
+/// first tuned on (two full-width AVX-512 FMA pipes, so a core with a 48 KiB
+/// L1) they made all of 8 = 4 + 4 slower, 5.4 -> 7.3 ms.
+inline bool prefetch_into_l2() {
 #if defined(__unix__) && defined(_SC_LEVEL1_DCACHE_SIZE)
   static const bool small_l1 = [] {
     const long bytes = sysconf(_SC_LEVEL1_DCACHE_SIZE);
@@ -52,7 +53,6 @@ struct prefetch_walk {
   const char* queued_at[max_ranges] = {};
   const char* queued_end[max_ranges] = {};
   int queued = 0, taken = 0;
-  bool l2 = walk_into_l2();  // the hint of every step's prefetches
 
   void add(const void* base, std::int64_t bytes) {
     if (bytes <= 0) return;
@@ -81,7 +81,7 @@ struct prefetch_walk {
     ++taken;
   }
   /// Asks for the next `Lines` lines (Hint: 3 into L1, 2 into L2; the
-  /// kernels pick it from `l2` once, outside their loops).
+  /// kernels take it from with_walk_hint, outside their loops).
   template <int Lines = 1, int Hint = 3>
   __attribute__((always_inline)) void step() {
     for (int k = 0; k < Lines; ++k) {
@@ -104,11 +104,12 @@ struct prefetch_walk {
   }
 };
 
-/// Calls f.template operator()<Hint>() with the walk's prefetch hint as a
-/// constant (2: into L2, 3: into L1), so kernels take it as a template parameter.
+/// Calls f.template operator()<Hint>() with the walks' prefetch hint as a
+/// constant (2: into L2, 3: into L1; see prefetch_into_l2), so kernels take it
+/// as a template parameter.
 template <class F>
-__attribute__((always_inline)) inline void with_walk_hint(const prefetch_walk& walk, F&& f) {
-  if (walk.l2)
+__attribute__((always_inline)) inline void with_walk_hint(F&& f) {
+  if (prefetch_into_l2())
     f.template operator()<2>();
   else
     f.template operator()<3>();

@@ -1102,6 +1102,34 @@ inline void unpack_stage(const std::uint32_t* const* plane_rows, int first, int 
   }
 }
 
+// Prefixes of at most 4 planes, two chunks per byte network: chunk q (q even)
+// in bits [0, P) and chunk q + 1 in bits [4, 4 + P) of the bytes of
+// stage[q * 8 + t/4] (same byte positions as unpack_stage). Half the networks
+// of unpack_stage(..., at = 8 - P), whose bytes hold one prefix and 4+ zero bits.
+inline void unpack_stage_nibbles(const std::uint32_t* const* plane_rows, int P, std::int64_t D,
+                                 __m512i* stage) {
+  const __m512i transpose = _mm512_set1_epi64(tokens_of_planes);
+  const std::int64_t chunks = D / 16;
+  for (std::int64_t q = 0; q < chunks; q += 2) {
+    const bool pair = q + 1 < chunks;
+    __m512i v[8];
+    // Vector j becomes bit 7 - j of every byte: plane i (i = 0 the most
+    // significant) of chunk q at j = 8 - P + i, of chunk q + 1 at j = 4 - P + i.
+    for (int j = 0; j < 8; ++j) {
+      if (j >= 8 - P)
+        v[j] = _mm512_loadu_si512(plane_rows[j - (8 - P)] + 16 * q);
+      else if (pair && j >= 4 - P && j < 4)
+        v[j] = _mm512_loadu_si512(plane_rows[j - (4 - P)] + 16 * (q + 1));
+      else
+        v[j] = _mm512_setzero_si512();
+    }
+    run_network(unpack_gather, v);
+    for (int i = 0; i < 8; ++i) v[i] = _mm512_gf2p8affine_epi64_epi8(transpose, v[i], 0);
+    run_network(unpack_scatter, v);
+    for (int i = 0; i < 8; ++i) stage[q * 8 + i] = v[i];
+  }
+}
+
 // Codes (missing planes zero) of token t, channels 16q..16q+15, as dwords.
 template <int Bits>
 LYNX_ALWAYS_INLINE __m512i staged_codes(const __m512i* hi, const __m512i* lo, std::int64_t q,
@@ -1119,11 +1147,13 @@ LYNX_ALWAYS_INLINE __m512i staged_codes(const __m512i* hi, const __m512i* lo, st
 
 #if defined(__AVX512BF16__)
 // float_to_bf16_bits of 32 floats at once: vcvtne2ps2bf16 rounds to nearest even
-// like the portable code but reads denormals as zero (and NaN is left to the
-// portable bits too): vectors holding either take store16.
-LYNX_ALWAYS_INLINE void store32_bf16(bf16* p, __m512 lo, __m512 hi, bool stream) {
+// like the portable code and quiets NaN the same way, but reads denormals as zero.
+// `normal`: the caller knows no input is a denormal or NaN (see
+// outputs_never_denormal); otherwise vectors holding either take store16.
+LYNX_ALWAYS_INLINE void store32_bf16(bf16* p, __m512 lo, __m512 hi, bool stream, bool normal) {
   constexpr int nan_or_denormal = 0x01 | 0x20 | 0x80;  // QNaN | denormal | SNaN
-  if (_mm512_fpclass_ps_mask(lo, nan_or_denormal) | _mm512_fpclass_ps_mask(hi, nan_or_denormal)) {
+  if (!normal && !_kortestz_mask16_u8(_mm512_fpclass_ps_mask(lo, nan_or_denormal),
+                                      _mm512_fpclass_ps_mask(hi, nan_or_denormal))) {
     store16(p, lo);
     store16(p + 16, hi);
     return;
@@ -1136,15 +1166,46 @@ LYNX_ALWAYS_INLINE void store32_bf16(bf16* p, __m512 lo, __m512 hi, bool stream)
 }
 #endif
 
+/// True when fma(scale[i], level, zero[i]) is never a denormal or NaN, for every
+/// i < count and every level that is a multiple of 1/2 (the reconstruction levels
+/// are: an integer plus midpoint_offset). Holds when each scale and each zero is 0
+/// or finite with |scale| >= 2^-102 and |zero| >= 2^-103: scale * level is then
+/// an exact multiple of 2^(e_scale - 24) >= 2^-126 (e: the unbiased exponent) and
+/// zero one of 2^(e_zero - 23) >= 2^-126, so their exact sum is 0 or at least
+/// 2^-126, the smallest normal, and so is its rounding. Parameters from real
+/// K/V always pass; the check lets a block skip the per-vector denormal test.
+inline bool outputs_never_denormal(const float* scale, const float* zero, std::int64_t count) {
+  // |x| bits - 1 below (threshold bits - 1), unsigned: nonzero and under the
+  // threshold; NaN and infinity fail the second test.
+  const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff), one = _mm512_set1_epi32(1),
+                scale_low = _mm512_set1_epi32((25 << 23) - 1),  // 2^-102: biased exponent 25
+      zero_low = _mm512_set1_epi32((24 << 23) - 1), inf = _mm512_set1_epi32(0x7f800000);
+  __mmask16 bad = 0;
+  std::int64_t i = 0;
+  for (; i < count; i += 16) {
+    const __mmask16 lanes =
+        count - i >= 16 ? __mmask16{0xffff} : static_cast<__mmask16>((1u << (count - i)) - 1u);
+    const __m512i s = _mm512_and_si512(_mm512_maskz_loadu_epi32(lanes, scale + i), abs_mask),
+                  z = _mm512_and_si512(_mm512_maskz_loadu_epi32(lanes, zero + i), abs_mask);
+    bad |= _mm512_cmplt_epu32_mask(_mm512_sub_epi32(s, one), scale_low) |
+           _mm512_cmplt_epu32_mask(_mm512_sub_epi32(z, one), zero_low) |
+           _mm512_cmpge_epu32_mask(s, inf) | _mm512_cmpge_epu32_mask(z, inf);
+  }
+  return bad == 0;
+}
+
 /// Writes one output row (D elements) from x(q), the 16 floats of chunk q.
+/// `normal`: no x(q) is a denormal or NaN (outputs_never_denormal).
 template <class T, class Row>
-LYNX_ALWAYS_INLINE void store_row(T* out, std::int64_t chunks, bool stream, Row&& x) {
+LYNX_ALWAYS_INLINE void store_row(T* out, std::int64_t chunks, bool stream, bool normal, Row&& x) {
   std::int64_t q = 0;
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, bf16>) {
     const bool aligned = stream && (reinterpret_cast<std::uintptr_t>(out) & 63) == 0;
-    for (; q + 2 <= chunks; q += 2) store32_bf16(out + 16 * q, x(q), x(q + 1), aligned);
+    for (; q + 2 <= chunks; q += 2) store32_bf16(out + 16 * q, x(q), x(q + 1), aligned, normal);
   }
+#else
+  (void)normal;
 #endif
   if constexpr (std::is_same_v<T, float>) {
     if (stream && (reinterpret_cast<std::uintptr_t>(out) & 63) == 0) {
@@ -1155,8 +1216,8 @@ LYNX_ALWAYS_INLINE void store_row(T* out, std::int64_t chunks, bool stream, Row&
   for (; q < chunks; ++q) store16(out + 16 * q, x(q));
 }
 
-// Rows of one block from its staged codes. Lut: the bytes of stage_hi are the
-// prefixes themselves (P <= 4) and the level float(prefix << (B-P)) + half comes
+// Rows of one block from its staged codes. Lut: stage_hi holds the prefixes
+// (P <= 4) as nibbles (unpack_stage_nibbles) and the level float(prefix << (B-P)) + half comes
 // from a 16-entry table, the same float the portable expression gives.
 template <int Bits, bool Lut, class T>
 void reconstruct_rows(const layer_geometry& g, std::int64_t h, std::int64_t t0, std::int64_t n,
@@ -1167,9 +1228,10 @@ void reconstruct_rows(const layer_geometry& g, std::int64_t h, std::int64_t t0, 
                       const __m512i* stage_lo, prefetch_walk& walk, int lines_per_row) {
   const std::int64_t D = g.head_dim, chunks = D / 16;
   auto level = [&](std::int64_t q, std::int64_t t) {
-    if constexpr (Lut) {
-      const auto* hb = reinterpret_cast<const __m128i*>(stage_hi + q * 8 + t / 4) + t % 4;
-      return _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_load_si128(hb)), lut);
+    if constexpr (Lut) {  // nibbles: vpermps reads the low 4 bits of each index
+      const auto* hb = reinterpret_cast<const __m128i*>(stage_hi + (q & ~1) * 8 + t / 4) + t % 4;
+      const __m512i bytes = _mm512_cvtepu8_epi32(_mm_load_si128(hb));
+      return _mm512_permutexvar_ps(q & 1 ? _mm512_srli_epi32(bytes, 4) : bytes, lut);
     } else {
       return _mm512_add_ps(_mm512_cvtepi32_ps(staged_codes<Bits>(stage_hi, stage_lo, q, t)),
                            half_v);
@@ -1181,21 +1243,40 @@ void reconstruct_rows(const layer_geometry& g, std::int64_t h, std::int64_t t0, 
   if (!keys && small)
     for (std::int64_t q = 0; q < chunks; ++q)
       group_of_chunk[q] = static_cast<std::int32_t>((16 * q) / g.value_group);
-  for (std::int64_t t = 0; t < n; ++t) {
+  // Row pointers and parameter offsets advance by a row (no division or
+  // multiplication per row: the rows are short, their overhead counted).
+  const kv_view<T, host_space>& out = keys ? keys_out : values_out;
+  T* row = &out(t0, h, 0);
+  const std::int64_t row_stride = out.token_stride;
+  std::int64_t key_base = (h * g.key_token_groups() + t0 / g.key_group) * D,
+               in_group = t0 % g.key_group;
+  const float* vs = value_scale + (h * g.tokens + t0) * g.value_channel_groups();
+  const float* vz = value_zero + (h * g.tokens + t0) * g.value_channel_groups();
+  const std::int64_t value_step = g.value_channel_groups();
+  const std::int64_t last_group = (t0 + n - 1) / g.key_group;
+  const bool normal = keys ? outputs_never_denormal(key_scale + key_base, key_zero + key_base,
+                                                    (last_group - t0 / g.key_group + 1) * D)
+                           : outputs_never_denormal(vs, vz, n * value_step);
+  for (std::int64_t t = 0; t < n; ++t, row += row_stride) {
     walk.step_n(lines_per_row);
     if (keys) {
-      const std::int64_t base = (h * g.key_token_groups() + (t0 + t) / g.key_group) * D;
-      store_row(&keys_out(t0 + t, h, 0), chunks, stream, [&](std::int64_t q) {
-        return _mm512_fmadd_ps(_mm512_loadu_ps(key_scale + base + 16 * q), level(q, t),
-                               _mm512_loadu_ps(key_zero + base + 16 * q));
+      const float* ks = key_scale + key_base;
+      const float* kz = key_zero + key_base;
+      store_row(row, chunks, stream, normal, [&](std::int64_t q) {
+        return _mm512_fmadd_ps(_mm512_loadu_ps(ks + 16 * q), level(q, t),
+                               _mm512_loadu_ps(kz + 16 * q));
       });
+      if (++in_group == g.key_group) {
+        in_group = 0;
+        key_base += D;
+      }
     } else {
-      const std::int64_t base = (h * g.tokens + t0 + t) * g.value_channel_groups();
-      store_row(&values_out(t0 + t, h, 0), chunks, stream, [&](std::int64_t q) {
+      store_row(row, chunks, stream, normal, [&](std::int64_t q) {
         const std::int64_t grp = small ? group_of_chunk[q] : (16 * q) / g.value_group;
-        return _mm512_fmadd_ps(_mm512_set1_ps(value_scale[base + grp]), level(q, t),
-                               _mm512_set1_ps(value_zero[base + grp]));
+        return _mm512_fmadd_ps(_mm512_set1_ps(vs[grp]), level(q, t), _mm512_set1_ps(vz[grp]));
       });
+      vs += value_step;
+      vz += value_step;
     }
   }
 }
@@ -1225,7 +1306,7 @@ void reconstruct_block(const layer_geometry& g, std::int64_t h, std::int64_t b, 
   for (int which = 0; which < 2; ++which) {
     plane_rows(which == 0, rows);
     if (lut_path) {
-      unpack_stage(rows, 0, P, D, stage_hi, 8 - P);
+      unpack_stage_nibbles(rows, P, D, stage_hi);
       reconstruct_rows<Bits, true, T>(g, h, t0, n, which == 0, stream, half_v, lut, key_scale,
                                       key_zero, value_scale, value_zero, keys_out, values_out,
                                       stage_hi, stage_lo, next, lines_per_row);

@@ -1227,11 +1227,15 @@ void reconstruct_rows(const layer_geometry& g, std::int64_t h, std::int64_t t0, 
                       const kv_view<T, host_space>& values_out, const __m512i* stage_hi,
                       const __m512i* stage_lo, prefetch_walk& walk, int lines_per_row) {
   const std::int64_t D = g.head_dim, chunks = D / 16;
+  // Lut: the prefixes of chunk q as dword indexes (vpermps reads their low 4 bits).
+  auto nibbles = [&](std::int64_t q, std::int64_t t) {
+    const auto* hb = reinterpret_cast<const __m128i*>(stage_hi + (q & ~1) * 8 + t / 4) + t % 4;
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_load_si128(hb));
+    return q & 1 ? _mm512_srli_epi32(bytes, 4) : bytes;
+  };
   auto level = [&](std::int64_t q, std::int64_t t) {
-    if constexpr (Lut) {  // nibbles: vpermps reads the low 4 bits of each index
-      const auto* hb = reinterpret_cast<const __m128i*>(stage_hi + (q & ~1) * 8 + t / 4) + t % 4;
-      const __m512i bytes = _mm512_cvtepu8_epi32(_mm_load_si128(hb));
-      return _mm512_permutexvar_ps(q & 1 ? _mm512_srli_epi32(bytes, 4) : bytes, lut);
+    if constexpr (Lut) {
+      return _mm512_permutexvar_ps(nibbles(q, t), lut);
     } else {
       return _mm512_add_ps(_mm512_cvtepi32_ps(staged_codes<Bits>(stage_hi, stage_lo, q, t)),
                            half_v);
@@ -1257,6 +1261,11 @@ void reconstruct_rows(const layer_geometry& g, std::int64_t h, std::int64_t t0, 
   const bool normal = keys ? outputs_never_denormal(key_scale + key_base, key_zero + key_base,
                                                     (last_group - t0 / g.key_group + 1) * D)
                            : outputs_never_denormal(vs, vz, n * value_step);
+  bool value_tables = false;  // the path below: bf16 outputs, prefixes, groups of 32k channels
+#if defined(__AVX512BF16__)
+  if constexpr (Lut && std::is_same_v<T, bf16>)
+    value_tables = !keys && small && chunks % 2 == 0 && g.value_group % 32 == 0;
+#endif
   for (std::int64_t t = 0; t < n; ++t, row += row_stride) {
     walk.step_n(lines_per_row);
     if (keys) {
@@ -1270,6 +1279,22 @@ void reconstruct_rows(const layer_geometry& g, std::int64_t h, std::int64_t t0, 
         in_group = 0;
         key_base += D;
       }
+    } else if (value_tables) {
+#if defined(__AVX512BF16__)
+      // A value group covers whole pairs of chunks: its 16 outputs
+      // fma(scale, level, zero) once, then picked per element (the same fma of
+      // the same operands, so the same bits).
+      const bool aligned = stream && (reinterpret_cast<std::uintptr_t>(row) & 63) == 0;
+      for (std::int64_t q = 0; q < chunks; q += 2) {
+        const std::int32_t grp = group_of_chunk[q];
+        const __m512 table = _mm512_fmadd_ps(_mm512_set1_ps(vs[grp]), lut, _mm512_set1_ps(vz[grp]));
+        store32_bf16(reinterpret_cast<bf16*>(row) + 16 * q,
+                     _mm512_permutexvar_ps(nibbles(q, t), table),
+                     _mm512_permutexvar_ps(nibbles(q + 1, t), table), aligned, normal);
+      }
+#endif
+      vs += value_step;
+      vz += value_step;
     } else {
       store_row(row, chunks, stream, normal, [&](std::int64_t q) {
         const std::int64_t grp = small ? group_of_chunk[q] : (16 * q) / g.value_group;

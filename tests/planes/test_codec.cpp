@@ -533,6 +533,8 @@ const codec_case codec_cases[] = {
     {{77, 2, 64}, data_kind::outlier, layout_kind::strided},
     {{33, 1, 256}, data_kind::constant, layout_kind::token_major},
     {{31, 1, 64}, data_kind::random, layout_kind::token_major},
+    // head_dim 16: one 16-channel chunk, staged alone (no nibble partner)
+    {{45, 2, 16}, data_kind::outlier, layout_kind::token_major},
     // whole 32-token blocks with head_dim 128 (the bf16 block kernel of the vector path)
     {{96, 2, 128}, data_kind::denormal, layout_kind::token_major},
     {{64, 3, 128}, data_kind::constant, layout_kind::token_major},

@@ -1257,10 +1257,15 @@ void reconstruct_rows(const layer_geometry& g, std::int64_t h, std::int64_t t0, 
   const float* vs = value_scale + (h * g.tokens + t0) * g.value_channel_groups();
   const float* vz = value_zero + (h * g.tokens + t0) * g.value_channel_groups();
   const std::int64_t value_step = g.value_channel_groups();
-  const std::int64_t last_group = (t0 + n - 1) / g.key_group;
-  const bool normal = keys ? outputs_never_denormal(key_scale + key_base, key_zero + key_base,
-                                                    (last_group - t0 / g.key_group + 1) * D)
-                           : outputs_never_denormal(vs, vz, n * value_step);
+  bool normal = false;  // read by the bf16 stores only
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, bf16>) {
+    const std::int64_t key_groups = (t0 + n - 1) / g.key_group - t0 / g.key_group + 1;
+    normal = keys
+                 ? outputs_never_denormal(key_scale + key_base, key_zero + key_base, key_groups * D)
+                 : outputs_never_denormal(vs, vz, n * value_step);
+  }
+#endif
   bool value_tables = false;  // the path below: bf16 outputs, prefixes, groups of 32k channels
 #if defined(__AVX512BF16__)
   if constexpr (Lut && std::is_same_v<T, bf16>)

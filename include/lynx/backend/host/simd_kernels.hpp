@@ -1083,38 +1083,42 @@ bool reconstruct_supported(const kv_view<T, host_space>& keys_out,
          g.value_group % 16 == 0;
 }
 
+// Byte network, 8x8 bit transpose and network back: plane words v[j] (16
+// channels) become code bytes stage[i] (tokens 4i..4i+3, byte 16*(t%4) + c), v[j]
+// giving bit 7 - j of every byte.
+LYNX_ALWAYS_INLINE void stage_chunk(__m512i (&v)[8], __m512i* stage) {
+  const __m512i transpose = _mm512_set1_epi64(tokens_of_planes);
+  run_network(unpack_gather, v);
+  for (int i = 0; i < 8; ++i) v[i] = _mm512_gf2p8affine_epi64_epi8(transpose, v[i], 0);
+  run_network(unpack_scatter, v);
+  for (int i = 0; i < 8; ++i) stage[i] = v[i];
+}
+
 // Code bytes of one block from plane words: planes [first, first + count) of
 // plane_rows, as rows stage[q * 8 + t/4] byte 16*(t%4) + c.
-// With at > 0 the planes go to bits [at, at + count) from the top of each byte
-// instead (at = 8 - count: the byte is the prefix itself).
 inline void unpack_stage(const std::uint32_t* const* plane_rows, int first, int count,
-                         std::int64_t D, __m512i* stage, int at = 0) {
-  const __m512i transpose = _mm512_set1_epi64(tokens_of_planes);
+                         std::int64_t D, __m512i* stage) {
   for (std::int64_t q = 0; q < D / 16; ++q) {
     __m512i v[8];
     for (int j = 0; j < 8; ++j)
-      v[j] = j >= at && j < at + count ? _mm512_loadu_si512(plane_rows[first + j - at] + 16 * q)
-                                       : _mm512_setzero_si512();
-    run_network(unpack_gather, v);
-    for (int i = 0; i < 8; ++i) v[i] = _mm512_gf2p8affine_epi64_epi8(transpose, v[i], 0);
-    run_network(unpack_scatter, v);
-    for (int i = 0; i < 8; ++i) stage[q * 8 + i] = v[i];
+      v[j] =
+          j < count ? _mm512_loadu_si512(plane_rows[first + j] + 16 * q) : _mm512_setzero_si512();
+    stage_chunk(v, stage + q * 8);
   }
 }
 
 // Prefixes of at most 4 planes, two chunks per byte network: chunk q (q even)
 // in bits [0, P) and chunk q + 1 in bits [4, 4 + P) of the bytes of
-// stage[q * 8 + t/4] (same byte positions as unpack_stage). Half the networks
-// of unpack_stage(..., at = 8 - P), whose bytes hold one prefix and 4+ zero bits.
+// stage[q * 8 + t/4] (same byte positions as unpack_stage): half the networks
+// of staging one prefix per byte.
 inline void unpack_stage_nibbles(const std::uint32_t* const* plane_rows, int P, std::int64_t D,
                                  __m512i* stage) {
-  const __m512i transpose = _mm512_set1_epi64(tokens_of_planes);
   const std::int64_t chunks = D / 16;
   for (std::int64_t q = 0; q < chunks; q += 2) {
     const bool pair = q + 1 < chunks;
     __m512i v[8];
-    // Vector j becomes bit 7 - j of every byte: plane i (i = 0 the most
-    // significant) of chunk q at j = 8 - P + i, of chunk q + 1 at j = 4 - P + i.
+    // Plane i (i = 0 the most significant) of chunk q at j = 8 - P + i, of
+    // chunk q + 1 at j = 4 - P + i.
     for (int j = 0; j < 8; ++j) {
       if (j >= 8 - P)
         v[j] = _mm512_loadu_si512(plane_rows[j - (8 - P)] + 16 * q);
@@ -1123,10 +1127,7 @@ inline void unpack_stage_nibbles(const std::uint32_t* const* plane_rows, int P, 
       else
         v[j] = _mm512_setzero_si512();
     }
-    run_network(unpack_gather, v);
-    for (int i = 0; i < 8; ++i) v[i] = _mm512_gf2p8affine_epi64_epi8(transpose, v[i], 0);
-    run_network(unpack_scatter, v);
-    for (int i = 0; i < 8; ++i) stage[q * 8 + i] = v[i];
+    stage_chunk(v, stage + q * 8);
   }
 }
 
@@ -1181,8 +1182,7 @@ inline bool outputs_never_denormal(const float* scale, const float* zero, std::i
                 scale_low = _mm512_set1_epi32((25 << 23) - 1),  // 2^-102: biased exponent 25
       zero_low = _mm512_set1_epi32((24 << 23) - 1), inf = _mm512_set1_epi32(0x7f800000);
   __mmask16 bad = 0;
-  std::int64_t i = 0;
-  for (; i < count; i += 16) {
+  for (std::int64_t i = 0; i < count; i += 16) {
     const __mmask16 lanes =
         count - i >= 16 ? __mmask16{0xffff} : static_cast<__mmask16>((1u << (count - i)) - 1u);
     const __m512i s = _mm512_and_si512(_mm512_maskz_loadu_epi32(lanes, scale + i), abs_mask),
@@ -1257,19 +1257,16 @@ void reconstruct_rows(const layer_geometry& g, std::int64_t h, std::int64_t t0, 
   const float* vs = value_scale + (h * g.tokens + t0) * g.value_channel_groups();
   const float* vz = value_zero + (h * g.tokens + t0) * g.value_channel_groups();
   const std::int64_t value_step = g.value_channel_groups();
-  bool normal = false;  // read by the bf16 stores only
+  bool normal = false;        // read by the bf16 stores only
+  bool value_tables = false;  // the path below: bf16 outputs, prefixes, groups of 32k channels
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, bf16>) {
     const std::int64_t key_groups = (t0 + n - 1) / g.key_group - t0 / g.key_group + 1;
     normal = keys
                  ? outputs_never_denormal(key_scale + key_base, key_zero + key_base, key_groups * D)
                  : outputs_never_denormal(vs, vz, n * value_step);
+    value_tables = Lut && !keys && small && chunks % 2 == 0 && g.value_group % 32 == 0;
   }
-#endif
-  bool value_tables = false;  // the path below: bf16 outputs, prefixes, groups of 32k channels
-#if defined(__AVX512BF16__)
-  if constexpr (Lut && std::is_same_v<T, bf16>)
-    value_tables = !keys && small && chunks % 2 == 0 && g.value_group % 32 == 0;
 #endif
   for (std::int64_t t = 0; t < n; ++t, row += row_stride) {
     walk.step_n(lines_per_row);
@@ -1298,13 +1295,13 @@ void reconstruct_rows(const layer_geometry& g, std::int64_t h, std::int64_t t0, 
                      _mm512_permutexvar_ps(nibbles(q + 1, t), table), aligned, normal);
       }
 #endif
-      vs += value_step;
-      vz += value_step;
     } else {
       store_row(row, chunks, stream, normal, [&](std::int64_t q) {
         const std::int64_t grp = small ? group_of_chunk[q] : (16 * q) / g.value_group;
         return _mm512_fmadd_ps(_mm512_set1_ps(vs[grp]), level(q, t), _mm512_set1_ps(vz[grp]));
       });
+    }
+    if (!keys) {
       vs += value_step;
       vz += value_step;
     }

@@ -94,6 +94,7 @@ struct attention_problem {
   std::int64_t max_tail_visible = 0;
   std::int64_t value_groups =
       1;  // value channel groups per token of a bit-plane prompt (1 otherwise)
+  std::int64_t item_kv_heads = 1;  // kv heads one work item may walk together (dense prompts)
 
   [[nodiscard]] std::int64_t prompt_splits() const {
     return ceil_div(prompt_tokens, attention_split_tokens);
@@ -146,7 +147,8 @@ class attention_workspace {
   static std::size_t bytes_needed(const attention_problem& p, int threads) {
     const int t = threads <= 0 ? detail::hardware_threads() : threads;
     const std::int64_t per_thread =
-        detail::split_scratch_floats(p.group_heads(), p.head_dim, p.value_groups) + 64;
+        detail::split_scratch_floats(p.group_heads(), p.head_dim, p.value_groups, p.item_kv_heads) +
+        64;
     return static_cast<std::size_t>((p.partial_floats() + 16 + per_thread * t) * 4);
   }
   /// Grows the buffer to fit (allocates only when it is too small).
@@ -209,8 +211,10 @@ class decode_attention {
     } else {
       p.kv_heads = prompt.keys.shape.kv_heads;
       p.prompt_tokens = prompt.keys.shape.tokens;
+      p.item_kv_heads = p.kv_heads;  // see dense_heads_together
     }
     if (p.kv_heads <= 0) p.kv_heads = 1;
+    if (p.item_kv_heads <= 0) p.item_kv_heads = 1;
     return p;
   }
 
@@ -326,37 +330,50 @@ class decode_attention {
     float* partials = ws.data();
     const std::int64_t stride_state = D + 2;
     float* scratch_base = partials + p.partial_floats() + 16;
-    const std::int64_t per_thread = detail::split_scratch_floats(heads, D, p.value_groups) + 64;
     const int threads = options.threads <= 0 ? detail::hardware_threads() : options.threads;
 
-    // work items: (query, split, kv head) or (query, kv head, split)
+    // Work items: (query, split, kv heads) or (query, kv head, split). A dense bf16
+    // token-major prompt on the AVX-512 path is walked gk kv heads per item (the
+    // rows of a token together, front to back), gk as large as keeps two items per
+    // thread; everything else one kv head per item.
+    std::int64_t gk = 1;
+    if constexpr (std::is_same_v<Source, detail::dense_kv_source<bf16>>) {
+      if (prompt_simd &&
+          detail::dense_heads_together(prompt_src->keys, prompt_src->values, heads)) {
+        std::int64_t parts = 1;
+        while (parts < p.kv_heads && q.count * splits * parts < 2 * threads) parts *= 2;
+        gk = std::min(p.item_kv_heads, ceil_div(p.kv_heads, parts));
+      }
+    }
+    const std::int64_t chunks = ceil_div(p.kv_heads, gk);
+    const std::int64_t per_thread = detail::split_scratch_floats(heads, D, p.value_groups, gk) + 64;
+
+    // Which item runs where never changes what it computes; the order only
+    // serves the memory walk. A dense token-major cache: kv heads fastest, so
+    // consecutive items read the same tokens' rows (pages stay in the TLB).
+    // A bit-plane prompt keeps each kv head's planes and parameters in
+    // contiguous sections: split fastest, so a worker streams through them
+    // front to back and the hardware prefetchers follow.
     constexpr bool split_fastest = requires { prompt_src->view; };
-    const std::int64_t items = q.count * p.kv_heads * splits;
+    const std::int64_t items = q.count * chunks * splits;
+    const std::int64_t stride_g = splits * heads * stride_state;  // between kv heads' states
     detail::parallel_for(threads, threads, [&](std::int64_t w0, std::int64_t w1) {
       for (std::int64_t worker = w0; worker < w1; ++worker) {
         const detail::split_scratch w =
-            detail::carve_scratch(scratch_base + worker * per_thread, heads, D, p.value_groups);
+            detail::carve_scratch(scratch_base + worker * per_thread, heads, D, p.value_groups, gk);
         const std::int64_t i0 = items * worker / threads, i1 = items * (worker + 1) / threads;
         for (std::int64_t item = i0; item < i1; ++item) {
-          // Which item runs where never changes what it computes; the order only
-          // serves the memory walk. A dense token-major cache: kv head fastest, so
-          // consecutive items read the same tokens' rows (pages stay in the TLB).
-          // A bit-plane prompt keeps each kv head's planes and parameters in
-          // contiguous sections: split fastest, so a worker streams through them
-          // front to back and the hardware prefetchers follow.
-          const std::int64_t i = item / (p.kv_heads * splits);
-          const std::int64_t s = split_fastest ? item % splits : (item / p.kv_heads) % splits;
-          const std::int64_t g = split_fastest ? (item / splits) % p.kv_heads : item % p.kv_heads;
-          float* state = partials + ((i * p.kv_heads + g) * splits + s) * heads * stride_state;
-          float* m = state;                // [heads]
-          float* l = state + heads;        // [heads]
-          float* acc = state + 2 * heads;  // [heads][D]
+          const std::int64_t i = item / (chunks * splits);
+          const std::int64_t s = split_fastest ? item % splits : (item / chunks) % splits;
+          const std::int64_t c = split_fastest ? (item / splits) % chunks : item % chunks;
+          const std::int64_t g0 = c * gk, gn = std::min(gk, p.kv_heads - g0);
+          float* state0 = partials + ((i * p.kv_heads + g0) * splits + s) * heads * stride_state;
           const std::int64_t visible = vis(i);
           const std::int64_t qpos = p.prompt_tokens + visible - 1;
           const std::int64_t first_pos = window > 0 ? qpos - window + 1 : 0;
-          const float* qrow = q.data + (i * q.q_heads + g * heads) * D;
-          float* qsc = w.queries;
-          for (std::int64_t k = 0; k < heads * D; ++k) qsc[k] = qrow[k] * qscale;
+          const float* qrow = q.data + (i * q.q_heads + g0 * heads) * D;
+          float* qsc = w.queries;  // [gn][heads][D]
+          for (std::int64_t k = 0; k < gn * heads * D; ++k) qsc[k] = qrow[k] * qscale;
           std::int64_t t0, t1, first_visible;
           const bool in_prompt = s < prompt_splits;
           if (in_prompt) {
@@ -369,25 +386,43 @@ class decode_attention {
             first_visible = first_pos - p.prompt_tokens;
           }
           if (t1 <= t0 || first_visible >= t1) {
-            for (int h = 0; h < heads; ++h) {
-              m[h] = attention_neg_inf;
-              l[h] = 0.0f;
-            }
+            for (std::int64_t j = 0; j < gn; ++j)
+              for (int h = 0; h < heads; ++h) {
+                state0[j * stride_g + h] = attention_neg_inf;
+                state0[j * stride_g + heads + h] = 0.0f;
+              }
             continue;
           }
-          if (in_prompt) {
-            detail::next_split next{};  // the prompt split this worker walks next, if any
-            if (split_fastest && item + 1 < i1) {
-              const std::int64_t s2 = (item + 1) % splits, g2 = ((item + 1) / splits) % p.kv_heads;
-              if (s2 < prompt_splits)
-                next = {g2, s2 * attention_split_tokens,
-                        std::min(p.prompt_tokens, (s2 + 1) * attention_split_tokens)};
+#if LYNX_ATTENTION_AVX512
+          if constexpr (std::is_same_v<Source, detail::dense_kv_source<bf16>>) {
+            if (in_prompt && gk > 1) {
+              detail::compute_split_heads(*prompt_src, g0, static_cast<int>(gn), qsc, heads, t0, t1,
+                                          first_visible, variant, w, state0, stride_g);
+              continue;
             }
-            detail::compute_split(*prompt_src, g, qsc, heads, t0, t1, first_visible, variant,
-                                  prompt_simd, w, m, l, acc, next);
-          } else {
-            detail::compute_split(tail, g, qsc, heads, t0, t1, first_visible, variant, tail_simd, w,
-                                  m, l, acc);
+          }
+#endif
+          for (std::int64_t j = 0; j < gn; ++j) {
+            const std::int64_t g = g0 + j;
+            float* state = state0 + j * stride_g;
+            float* m = state;                // [heads]
+            float* l = state + heads;        // [heads]
+            float* acc = state + 2 * heads;  // [heads][D]
+            const float* qg = qsc + j * heads * D;
+            if (in_prompt) {
+              detail::next_split next{};  // the prompt split this worker walks next, if any
+              if (split_fastest && item + 1 < i1) {
+                const std::int64_t s2 = (item + 1) % splits, g2 = ((item + 1) / splits) % chunks;
+                if (s2 < prompt_splits)
+                  next = {g2, s2 * attention_split_tokens,
+                          std::min(p.prompt_tokens, (s2 + 1) * attention_split_tokens)};
+              }
+              detail::compute_split(*prompt_src, g, qg, heads, t0, t1, first_visible, variant,
+                                    prompt_simd, w, m, l, acc, next);
+            } else {
+              detail::compute_split(tail, g, qg, heads, t0, t1, first_visible, variant, tail_simd,
+                                    w, m, l, acc);
+            }
           }
         }
       }

@@ -18,8 +18,9 @@
 // the functor runs once per layer per decoded token.
 //
 // Usage:
-//   lynx::attention_workspace ws(lynx::attention_problem::of(prompt_view, tail_k, queries,
-//   visibility), threads); lynx::decode_attention<> attn{};                 // default variant
+//   lynx::decode_attention<> attn{};  // default variant
+//   lynx::attention_workspace ws(attn.problem(prompt_view, tail_k, queries, visibility),
+//                                threads);
 //   attn(prompt_view, tail_k, tail_v, queries, visibility, output, ws, {.threads = threads});
 #pragma once
 

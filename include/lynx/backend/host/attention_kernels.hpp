@@ -386,16 +386,30 @@ LYNX_ATTENTION_AVX512_TARGET inline __m512 exp2_avx512(__m512 x) {
   return _mm512_maskz_mul_ps(live, p, _mm512_castsi512_ps(e));
 }
 
-LYNX_ATTENTION_AVX512_TARGET inline void exp2_shifted_avx512(float* s, std::int64_t n, float m) {
+/// s[i] = exp2(s[i] - m) in place, and returns fixed_order_sum (tile_math.hpp) of
+/// the results: its 16 lanes added as each vector is made, then its halving tree
+/// (the same adds in the same order as a second pass, without the second pass).
+LYNX_ATTENTION_AVX512_TARGET inline float exp2_shifted_sum_avx512(float* s, std::int64_t n,
+                                                                  float m) {
   const __m512 mv = _mm512_set1_ps(m);
+  __m512 lane = _mm512_setzero_ps();
   std::int64_t i = 0;
-  for (; i + 16 <= n; i += 16)
-    _mm512_storeu_ps(s + i, exp2_avx512(_mm512_sub_ps(_mm512_loadu_ps(s + i), mv)));
+  for (; i + 16 <= n; i += 16) {
+    const __m512 e = exp2_avx512(_mm512_sub_ps(_mm512_loadu_ps(s + i), mv));
+    _mm512_storeu_ps(s + i, e);
+    lane = _mm512_add_ps(lane, e);
+  }
   if (i < n) {
     const __mmask16 k = static_cast<__mmask16>((1u << (n - i)) - 1u);
-    _mm512_mask_storeu_ps(s + i, k,
-                          exp2_avx512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + i), mv)));
+    const __m512 e = exp2_avx512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + i), mv));
+    _mm512_mask_storeu_ps(s + i, k, e);
+    lane = _mm512_mask_add_ps(lane, k, lane, e);
   }
+  alignas(64) float r[16];
+  _mm512_store_ps(r, lane);
+  for (int w = 8; w >= 1; w /= 2)
+    for (int l = 0; l < w; ++l) r[l] += r[l + w];
+  return r[0];
 }
 
 /// fold_query_into_key_group for `heads` queries q[h][D] against one key group,
@@ -636,21 +650,6 @@ LYNX_ATTENTION_AVX512_TARGET inline float prepare_scores_avx512(float* s, std::i
     mx = _mm512_mask_max_ps(mx, live, mx, x);
   }
   return _mm512_reduce_max_ps(mx);
-}
-
-/// fixed_order_sum, 16 lanes per step.
-LYNX_ATTENTION_AVX512_TARGET inline float fixed_order_sum_avx512(const float* x, std::int64_t n) {
-  __m512 lane = _mm512_setzero_ps();
-  for (std::int64_t i = 0; i < n; i += 16) {
-    const __mmask16 live =
-        n - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - i)) - 1u);
-    lane = _mm512_mask_add_ps(lane, live, lane, _mm512_maskz_loadu_ps(live, x + i));
-  }
-  alignas(64) float r[16];
-  _mm512_store_ps(r, lane);
-  for (int w = 8; w >= 1; w /= 2)
-    for (int l = 0; l < w; ++l) r[l] += r[l + w];
-  return r[0];
 }
 
 /// Codes of one key block into tile[c][32] (lane = token), for P planes:
@@ -1556,8 +1555,7 @@ void softmax_split(float* s, std::int64_t n, std::int64_t t0, std::int64_t first
   }
 #if LYNX_ATTENTION_AVX512
   if (simd) {
-    exp2_shifted_avx512(s, n, mx);
-    l = fixed_order_sum_avx512(s, n);
+    l = exp2_shifted_sum_avx512(s, n, mx);
     return;
   }
 #endif

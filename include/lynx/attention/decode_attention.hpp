@@ -212,7 +212,8 @@ class decode_attention {
     } else {
       p.kv_heads = prompt.keys.shape.kv_heads;
       p.prompt_tokens = prompt.keys.shape.tokens;
-      p.item_kv_heads = p.kv_heads;  // see dense_heads_together
+      using T = std::remove_const_t<typename decltype(prompt.keys)::element_type>;
+      if constexpr (std::is_same_v<T, bf16>) p.item_kv_heads = p.kv_heads;  // dense_heads_together
     }
     if (p.kv_heads <= 0) p.kv_heads = 1;
     if (p.item_kv_heads <= 0) p.item_kv_heads = 1;
@@ -412,9 +413,9 @@ class decode_attention {
             const float* qg = qsc + j * heads * D;
             if (in_prompt) {
               detail::next_split next{};  // the prompt split this worker walks next, if any
-              if (split_fastest && item + 1 < i1) {
+              if constexpr (split_fastest) {
                 const std::int64_t s2 = (item + 1) % splits, g2 = ((item + 1) / splits) % chunks;
-                if (s2 < prompt_splits)
+                if (item + 1 < i1 && s2 < prompt_splits)
                   next = {g2, s2 * attention_split_tokens,
                           std::min(p.prompt_tokens, (s2 + 1) * attention_split_tokens)};
               }

@@ -212,11 +212,12 @@ class decode_attention {
     } else {
       p.kv_heads = prompt.keys.shape.kv_heads;
       p.prompt_tokens = prompt.keys.shape.tokens;
-      using T = std::remove_const_t<typename decltype(prompt.keys)::element_type>;
-      if constexpr (std::is_same_v<T, bf16>) p.item_kv_heads = p.kv_heads;  // dense_heads_together
     }
     if (p.kv_heads <= 0) p.kv_heads = 1;
-    if (p.item_kv_heads <= 0) p.item_kv_heads = 1;
+    if constexpr (requires { prompt.keys; }) {  // dense_heads_together
+      using T = std::remove_const_t<typename decltype(prompt.keys)::element_type>;
+      if constexpr (std::is_same_v<T, bf16>) p.item_kv_heads = p.kv_heads;
+    }
     return p;
   }
 

@@ -1277,6 +1277,30 @@ inline void permute_query_bf16(const float* q, int heads, int D, int DP, float* 
 /// (32: 12.9 ms, 64: 11.2, 128: 11.6, 192: 12.0, 64 into L1: 15.6).
 inline constexpr std::int64_t dense_prefetch_rows = 64;
 
+/// Asks L2 for key rows [t, t + n) of one kv head (written out, not prefetch_lines:
+/// that form measured 8% slower on the bf16 baseline at 32K tokens, same prefetches).
+__attribute__((always_inline)) inline void prefetch_key_rows_bf16(const dense_kv_source<bf16>& src,
+                                                                  std::int64_t kv_head,
+                                                                  std::int64_t t, int n, int D) {
+  for (int i = 0; i < n; ++i) {
+    const char* row = reinterpret_cast<const char*>(&src.keys(t + i, kv_head, 0));
+    for (std::size_t off = 0; off < D * sizeof(bf16); off += 64)
+      __builtin_prefetch(row + off, 0, 2);
+  }
+}
+
+/// score_bf16_step_avx512 for hc = 4, 2 or 1 heads (16 / hc tokens).
+LYNX_ATTENTION_AVX512_TARGET inline void score_bf16_step_hc_avx512(
+    int hc, const dense_kv_source<bf16>& src, std::int64_t kv_head, std::int64_t t, const float* qp,
+    int DP, int D, __m512i perm, float* out) {
+  if (hc == 4)
+    score_bf16_step_avx512<4>(src, kv_head, t, qp, DP, D, perm, out);
+  else if (hc == 2)
+    score_bf16_step_avx512<2>(src, kv_head, t, qp, DP, D, perm, out);
+  else
+    score_bf16_step_avx512<1>(src, kv_head, t, qp, DP, D, perm, out);
+}
+
 /// Dense bf16 scores of tokens [t0, t1): score_bf16_step_avx512 for whole steps,
 /// dense_score for the last few tokens. The permuted queries live in the value
 /// weight scratch (a dense source has no value weights; it holds heads x S floats).
@@ -1296,24 +1320,10 @@ LYNX_ATTENTION_AVX512_TARGET inline void score_tokens_bf16_avx512(const dense_kv
     const int tok = 16 / hc;
     std::int64_t t = t0;
     for (; t + tok <= t1; t += tok) {
-      // (written out, not prefetch_lines: that form of this loop measured 8% slower
-      // on the bf16 baseline at 32K tokens, with the same prefetches)
-      if (h0 == 0 && t + dense_prefetch_rows + tok <= t1) {
-        for (int i = 0; i < tok; ++i) {
-          const char* ahead =
-              reinterpret_cast<const char*>(&src.keys(t + dense_prefetch_rows + i, kv_head, 0));
-          for (std::size_t off = 0; off < D * sizeof(bf16); off += 64)
-            __builtin_prefetch(ahead + off, 0, 2);
-        }
-      }
-      float* out = w.scores + h0 * attention_split_tokens + (t - t0);
-      const float* qh = qp + h0 * DP;
-      if (hc == 4)
-        score_bf16_step_avx512<4>(src, kv_head, t, qh, DP, D, perm, out);
-      else if (hc == 2)
-        score_bf16_step_avx512<2>(src, kv_head, t, qh, DP, D, perm, out);
-      else
-        score_bf16_step_avx512<1>(src, kv_head, t, qh, DP, D, perm, out);
+      if (h0 == 0 && t + dense_prefetch_rows + tok <= t1)
+        prefetch_key_rows_bf16(src, kv_head, t + dense_prefetch_rows, tok, D);
+      score_bf16_step_hc_avx512(hc, src, kv_head, t, qp + h0 * DP, DP, D, perm,
+                                w.scores + h0 * attention_split_tokens + (t - t0));
     }
     for (; t < t1; ++t)
       for (int h = h0; h < h0 + hc; ++h)
@@ -1479,23 +1489,10 @@ LYNX_ATTENTION_AVX512_TARGET inline void score_heads_bf16_avx512(
   for (; t + tok <= t1; t += tok) {
     const bool ahead = t + dense_prefetch_rows + tok <= t1;
     for (int j = 0; j < gn; ++j) {
-      if (ahead)
-        for (int i = 0; i < tok; ++i) {
-          const char* row =
-              reinterpret_cast<const char*>(&src.keys(t + dense_prefetch_rows + i, g0 + j, 0));
-          for (std::size_t off = 0; off < D * sizeof(bf16); off += 64)
-            __builtin_prefetch(row + off, 0, 2);
-        }
-      for (int h0 = 0; h0 < heads; h0 += hc) {
-        float* out = w.scores + (j * heads + h0) * S + (t - t0);
-        const float* qh = w.weights + (j * heads + h0) * DP;
-        if (hc == 4)
-          score_bf16_step_avx512<4>(src, g0 + j, t, qh, DP, D, perm, out);
-        else if (hc == 2)
-          score_bf16_step_avx512<2>(src, g0 + j, t, qh, DP, D, perm, out);
-        else
-          score_bf16_step_avx512<1>(src, g0 + j, t, qh, DP, D, perm, out);
-      }
+      if (ahead) prefetch_key_rows_bf16(src, g0 + j, t + dense_prefetch_rows, tok, D);
+      for (int h0 = 0; h0 < heads; h0 += hc)
+        score_bf16_step_hc_avx512(hc, src, g0 + j, t, w.weights + (j * heads + h0) * DP, DP, D,
+                                  perm, w.scores + (j * heads + h0) * S + (t - t0));
     }
   }
   for (; t < t1; ++t)

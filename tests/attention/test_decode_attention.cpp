@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
@@ -415,4 +416,67 @@ TEST_CASE("bad shapes are rejected with clear errors") {
              lynx::token_major<const float>(tv.data(), ts), qq, {0, 1}, {out.data()}, ws);
       },
       lynx::errc::invalid_argument, "workspace of 0 bytes");
+}
+
+TEST_CASE("non-finite input: the error names the query, tail or dense prompt element") {
+  const std::int64_t T = 70, H = 2, D = 32, group = 4, qh = H * group, n = 3, TT = 40;
+  const lynx::kv_shape shape{T, H, D};
+  const auto k = make_kv(T, H, D, 61, true), v = make_kv(T, H, D, 62, false);
+  const auto tensor = make_tensor<lynx::plan_8_4_4>(k, v, shape, 1);
+  const auto kb = to_tail<bf16>(k), vb = to_tail<bf16>(v);
+  const lynx::tail_visibility causal{TT - n - 1, 1};  // query i sees tail tokens [0, 37 + i)
+  const float nan = std::numeric_limits<float>::quiet_NaN(),
+              inf = std::numeric_limits<float>::infinity();
+  auto expect = [](auto&& f, lynx::errc code, const std::string& fragment) {
+    try {
+      f();
+      FAIL("no error thrown");
+    } catch (const lynx::error& e) {
+      INFO(e.what());
+      CHECK(e.code() == code);
+      CHECK(std::string(e.what()).find(fragment) != std::string::npos);
+    }
+  };
+  for (auto path : paths()) {
+    INFO("path " << static_cast<int>(path));
+    auto q = make_queries(n, qh, D, 63);
+    auto tk = make_kv(TT, H, D, 64, true), tv = make_kv(TT, H, D, 65, false);
+    auto call = [&] {
+      return run_attention(tensor.view(), tk, tv, TT, H, D, q.data(), n, qh, causal, 2, path);
+    };
+    auto all_finite = [](const std::vector<float>& x) {
+      return std::all_of(x.begin(), x.end(), [](float y) { return lynx::is_finite_value(y); });
+    };
+    REQUIRE(all_finite(call()));  // the clean call
+    q[static_cast<std::size_t>((1 * qh + 5) * D + 7)] = nan;
+    expect(call, lynx::errc::non_finite_input, "query 1, head 5 holds NaN at channel 7");
+    q = make_queries(n, qh, D, 63);
+    tk[static_cast<std::size_t>((12 * H + 1) * D + 3)] = -inf;  // token 12, kv head 1
+    expect(call, lynx::errc::non_finite_input,
+           "tail keys hold infinity at kv head 1, token 12, channel 3");
+    tk = make_kv(TT, H, D, 64, true);
+    tv[static_cast<std::size_t>((20 * H + 0) * D + 31)] = nan;
+    expect(call, lynx::errc::non_finite_input,
+           "tail values hold NaN at kv head 0, token 20, channel 31");
+    // a tail token no query sees (the last one: the queries see 37, 38, 39 tokens)
+    tv = make_kv(TT, H, D, 65, false);
+    tv[static_cast<std::size_t>((39 * H + 0) * D)] = nan;
+    CHECK(all_finite(call()));
+    tv = make_kv(TT, H, D, 65, false);
+    // dense bf16 prompt (engine-owned, never validated up front)
+    auto kbad = kb;
+    kbad[static_cast<std::size_t>((33 * H + 1) * D + 9)] = lynx::from_float<bf16>(nan);
+    const lynx::dense_prompt<bf16> dp{lynx::token_major<const bf16>(kbad.data(), shape),
+                                      lynx::token_major<const bf16>(vb.data(), shape)};
+    const auto tkb = to_tail<bf16>(tk), tvb = to_tail<bf16>(tv);
+    expect([&] { (void)run_attention(dp, tkb, tvb, TT, H, D, q.data(), n, qh, causal, 1, path); },
+           lynx::errc::non_finite_input, "prompt keys hold NaN at kv head 1, token 33, channel 9");
+    // finite everywhere, but q . k overflows float
+    std::vector<float> big(q.size(), 3e38f);
+    expect(
+        [&] {
+          (void)run_attention(tensor.view(), tk, tv, TT, H, D, big.data(), n, qh, causal, 1, path);
+        },
+        lynx::errc::invalid_argument, "a logit overflowed float");
+  }
 }

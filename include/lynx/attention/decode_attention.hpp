@@ -17,6 +17,14 @@
 // Every check builds its message only when it fails (`if (!ok) fail(...)`):
 // the functor runs once per layer per decoded token.
 //
+// Non-finite input is not scanned for up front (the tail and a dense prompt are
+// engine-owned and change every step): a call whose output is not finite throws
+// errc::non_finite_input naming the first NaN or infinity among the queries, the
+// tail tokens the offending query sees and a dense prompt's kv head, or
+// errc::invalid_argument when those are finite and a logit overflowed float. The
+// output of such a call is not to be used. (A bit-plane prompt cannot hold one:
+// encode rejects non-finite K/V.)
+//
 // Usage:
 //   lynx::decode_attention<> attn{};  // default variant
 //   lynx::attention_workspace ws(attn.problem(prompt_view, tail_k, queries, visibility),
@@ -39,6 +47,7 @@
 #include "lynx/core/types.hpp"
 #include "lynx/core/view.hpp"
 #include "lynx/planes/tensor.hpp"
+#include "lynx/quant/quantizer.hpp"
 
 namespace lynx {
 
@@ -415,9 +424,9 @@ class decode_attention {
             if (in_prompt) {
               detail::next_split next{};  // the prompt split this worker walks next, if any
               if constexpr (split_fastest) {
-                const std::int64_t s2 = (item + 1) % splits, g2 = ((item + 1) / splits) % chunks;
-                if (item + 1 < i1 && s2 < prompt_splits)
-                  next = {g2, s2 * attention_split_tokens,
+                const std::int64_t s2 = (item + 1) % splits;
+                if (item + 1 < i1 && s2 < prompt_splits)  // kv head of the next item
+                  next = {((item + 1) / splits) % chunks, s2 * attention_split_tokens,
                           std::min(p.prompt_tokens, (s2 + 1) * attention_split_tokens)};
               }
               detail::compute_split(*prompt_src, g, qg, heads, t0, t1, first_visible, variant,
@@ -431,6 +440,7 @@ class decode_attention {
       }
     });
     // combine in context order: prompt splits, then tail splits
+    std::int64_t first_bad = -1;  // (query, q head) of the first output that is not finite
     for (std::int64_t i = 0; i < q.count; ++i)
       for (std::int64_t g = 0; g < p.kv_heads; ++g)
         for (int h = 0; h < heads; ++h) {
@@ -444,10 +454,61 @@ class decode_attention {
                                 D);
           }
           const float inv = 1.0f / ll;
-          for (int c = 0; c < D; ++c) o[c] *= inv;
+          bool finite = true;
+          for (int c = 0; c < D; ++c) finite &= is_finite_value(o[c] *= inv);
+          if (!finite && first_bad < 0) first_bad = i * q.q_heads + g * heads + h;
           if (out.lse)
             out.lse[i * q.q_heads + g * heads + h] = (mm + std::log2(ll)) * attention_ln2;
         }
+    if (first_bad >= 0) [[unlikely]]
+      report_non_finite(p, prompt_src, tail_keys, tail_values, q, vis, first_bad);
+  }
+
+  /// The first NaN or infinity of `x` at kv head g, tokens [0, tokens), else nothing.
+  template <class T>
+  static void find_non_finite(const kv_view<const T, host_space>& x, std::int64_t tokens,
+                              std::int64_t g, const char* what) {
+    for (std::int64_t t = 0; t < tokens; ++t)
+      for (std::int64_t c = 0; c < x.shape.head_dim; ++c) {
+        const float v = to_float(x(t, g, c));
+        if (!is_finite_value(v))
+          detail::fail(errc::non_finite_input,
+                       std::string("attention: ") + what + " hold " +
+                           (v != v ? "NaN" : "infinity") + " at kv head " + std::to_string(g) +
+                           ", token " + std::to_string(t) + ", channel " + std::to_string(c));
+      }
+  }
+
+  /// Why output (query, q head) `bad` is not finite: the first non-finite query
+  /// element, else tail element that query sees, else dense prompt element of its
+  /// kv head; else a logit overflowed. Off the hot path: runs only on failure.
+  template <class Source, class TailT>
+  [[noreturn]] [[gnu::cold]] [[gnu::noinline]] static void report_non_finite(
+      const attention_problem& p, const Source* prompt_src,
+      const kv_view<const TailT, host_space>& tk, const kv_view<const TailT, host_space>& tv,
+      const attention_queries& q, tail_visibility vis, std::int64_t bad) {
+    const std::int64_t i = bad / q.q_heads, h = bad % q.q_heads, g = h / p.group_heads();
+    for (std::int64_t k = 0; k < q.count * q.q_heads * q.head_dim; ++k)
+      if (!is_finite_value(q.data[k]))
+        detail::fail(errc::non_finite_input,
+                     std::string("attention: query ") +
+                         std::to_string(k / (q.q_heads * q.head_dim)) + ", head " +
+                         std::to_string(k / q.head_dim % q.q_heads) + " holds " +
+                         (q.data[k] != q.data[k] ? "NaN" : "infinity") + " at channel " +
+                         std::to_string(k % q.head_dim));
+    const std::int64_t seen = std::min(vis(i), tk.shape.tokens);
+    find_non_finite(tk, seen, g, "tail keys");
+    find_non_finite(tv, seen, g, "tail values");
+    if constexpr (requires { prompt_src->keys; }) {
+      find_non_finite(prompt_src->keys, p.prompt_tokens, g, "prompt keys");
+      find_non_finite(prompt_src->values, p.prompt_tokens, g, "prompt values");
+    }
+    detail::fail(errc::invalid_argument,
+                 "attention: the output of query " + std::to_string(i) + ", head " +
+                     std::to_string(h) +
+                     " is not finite though its queries and K/V are: a logit overflowed float "
+                     "(|q . k| times the softmax scale beyond 3.4e38, or the variant's logit "
+                     "transform gave NaN)");
   }
 };
 

@@ -18,6 +18,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 #include "lynx/attention/tile_math.hpp"
 #include "lynx/backend/host/prefetch.hpp"
@@ -630,11 +631,15 @@ LYNX_ATTENTION_AVX512_TARGET void value_weights_avx512(const plane_kv_source<Pla
 }
 
 /// Logits to the log2 domain with tokens before first_visible masked; returns the max.
+/// Sets `bad` when a visible logit is not finite (NaN or infinite K/V or queries, or
+/// an overflow), which the max and exp2 would otherwise pass over silently.
 LYNX_ATTENTION_AVX512_TARGET inline float prepare_scores_avx512(float* s, std::int64_t n,
                                                                 std::int64_t t0,
-                                                                std::int64_t first_visible) {
+                                                                std::int64_t first_visible,
+                                                                bool& bad) {
   const __m512 log2e = _mm512_set1_ps(attention_log2e), ninf = _mm512_set1_ps(attention_neg_inf);
   __m512 mx = ninf;
+  __mmask16 non_finite = 0;
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   for (std::int64_t i = 0; i < n; i += 16) {
     const __mmask16 live =
@@ -648,7 +653,9 @@ LYNX_ATTENTION_AVX512_TARGET inline float prepare_scores_avx512(float* s, std::i
     const __m512 x = _mm512_mask_mul_ps(ninf, seen, _mm512_maskz_loadu_ps(live, s + i), log2e);
     _mm512_mask_storeu_ps(s + i, live, x);
     mx = _mm512_mask_max_ps(mx, live, mx, x);
+    non_finite |= _mm512_mask_fpclass_ps_mask(live & seen, x, 0x99);  // NaN, +-infinity
   }
+  bad = non_finite != 0;
   return _mm512_reduce_max_ps(mx);
 }
 
@@ -1531,17 +1538,28 @@ void softmax_split(float* s, std::int64_t n, std::int64_t t0, std::int64_t first
   if constexpr (Variant::has_logit_transform)
     for (std::int64_t i = 0; i < n; ++i) s[i] = variant.transform_logit(s[i]);
   float mx = attention_neg_inf;
+  bool bad = false;
 #if LYNX_ATTENTION_AVX512
   if (simd) {
-    mx = prepare_scores_avx512(s, n, t0, first_visible);
+    mx = prepare_scores_avx512(s, n, t0, first_visible, bad);
   } else
 #endif
   {
     for (std::int64_t i = 0; i < n; ++i) {
-      const float x = (t0 + i) < first_visible ? attention_neg_inf : s[i] * attention_log2e;
+      const bool masked = (t0 + i) < first_visible;
+      const float x = masked ? attention_neg_inf : s[i] * attention_log2e;
       s[i] = x;
       mx = x > mx ? x : mx;
+      bad |= !masked && !is_finite_value(x);
     }
+  }
+  if (bad) [[unlikely]] {
+    // a logit that is not finite: the max and exp2 would drop it silently; a NaN
+    // sum makes the output NaN, which decode_attention reports with its cause
+    m = mx > attention_neg_inf ? mx : 0.0f;
+    l = std::numeric_limits<float>::quiet_NaN();
+    std::fill(s, s + n, 0.0f);
+    return;
   }
   m = mx;
   if (!(mx > attention_neg_inf)) {

@@ -14,7 +14,17 @@
 #ifndef XXH_INLINE_ALL
 #define XXH_INLINE_ALL
 #endif
+// GCC 12's AVX-512 headers warn of "uninitialized" vectors inside the inline
+// XXH3 when it is compiled for AVX-512 (-march=native): their idiom, not a bug.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 #include <xxhash.h>
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
 
 #include "lynx/core/error.hpp"
 #include "lynx/planes/layout.hpp"

@@ -52,6 +52,14 @@
 #include "lynx/planes/layout.hpp"
 #include "lynx/quant/quantizer.hpp"
 
+// GCC 12's AVX-512 headers build "undefined" vectors from self-initialised
+// locals, which -Wuninitialized reports once inlined into these kernels.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+
 namespace lynx::detail::simd {
 
 /// Thrown by the fast encode on non-finite input or an overflowing range; the
@@ -1351,5 +1359,9 @@ void reconstruct_block(const layer_geometry& g, std::int64_t h, std::int64_t b, 
 }
 
 }  // namespace lynx::detail::simd
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
 
 #endif  // LYNX_HOST_AVX512

@@ -1,7 +1,8 @@
 // CUDA decode attention against the host functor and an fp64 reference on the
 // reconstructed values, bitwise batch invariance on the device, every precision
 // level of 8 = 4 + 4, 8 = 2 + 2 + 4 and 16 = 4 + 12, empty tail, tail only, the
-// dense bf16 baseline, and shape errors.
+// dense bf16 baseline, shape errors, and non-finite input (NaN outputs and the
+// status that names them).
 // The "host logic" suite (sizing, shape errors) needs no device; the rest is
 // skipped (exit 77) by the CUDA test main when no device is present.
 #include <doctest/doctest.h>
@@ -10,6 +11,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
@@ -140,12 +142,14 @@ struct device_tail {
   }
 };
 
-// Runs the device attention for queries [n][qh][D] at q (device pointer); returns output (and lse).
+// Runs the device attention for queries [n][qh][D] at q (device pointer); returns output (and
+// lse). Every call checks the status the call left: `problem` (when given) receives the error's
+// message, else an output that is not finite fails the test.
 template <class Prompt, class TailT, class Variant = lynx::default_variant>
 std::vector<float> run_device(const Prompt& prompt, const device_tail<TailT>& tail, const float* q,
                               std::int64_t n, std::int64_t qh, std::int64_t D,
                               lynx::tail_visibility vis, std::vector<float>* lse = nullptr,
-                              Variant variant = {}) {
+                              Variant variant = {}, std::string* problem = nullptr) {
   const lynx::attention_queries queries{q, n, qh, D};
   device_array<float> out(static_cast<std::size_t>(n * qh * D)),
       lse_d(static_cast<std::size_t>(n * qh));
@@ -156,6 +160,17 @@ std::vector<float> run_device(const Prompt& prompt, const device_tail<TailT>& ta
   lynx::cuda::device_buffer ws(bytes);
   LYNX_CUDA_CHECK(attn(ws.data(), bytes, prompt, tail.keys(), tail.values(), queries, vis, o));
   LYNX_CUDA_CHECK(cudaDeviceSynchronize());
+  if (problem) {
+    problem->clear();
+    try {
+      lynx::cuda::check_attention_status(ws.data());
+    } catch (const lynx::error& e) {
+      CHECK(e.code() == lynx::errc::non_finite_input);
+      *problem = e.what();
+    }
+  } else {
+    lynx::cuda::check_attention_status(ws.data());
+  }
   if (lse) *lse = lse_d.to_host();
   return out.to_host();
 }
@@ -174,6 +189,22 @@ std::vector<float> run_host(const Prompt& prompt, const std::vector<TailT>& tk,
   attn(prompt, tkv, tvv, queries, vis, {out.data(), nullptr}, ws,
        {1, lynx::attention_path::automatic});
   return out;
+}
+
+// The anchor (segment 0) of an encoded layer, delivered to a device tensor.
+template <class Encoded>
+auto device_anchor(const Encoded& enc, lynx::kv_shape shape) {
+  lynx::bitplane_tensor<typename Encoded::plan, Encoded::group_size, lynx::device_space> tensor(
+      shape, 0);
+  tensor.accept(enc.segment(0));
+  LYNX_CUDA_CHECK(cudaStreamSynchronize(tensor.stream()));
+  return tensor;
+}
+
+// The layer K, V [tokens][kv_heads][head_dim] encoded with 8 = 4 + 4.
+auto encode_8_4_4(const std::vector<float>& k, const std::vector<float>& v, lynx::kv_shape shape) {
+  return lynx::encode<lynx::plan_8_4_4, 32>(lynx::token_major<const float>(k.data(), shape),
+                                            lynx::token_major<const float>(v.data(), shape), 0);
 }
 
 template <class Plan, int G>
@@ -266,6 +297,29 @@ TEST_SUITE("host logic") {
     CHECK(bytes == s.workspace_bytes());
     // a split of the host is 4 chunks: partial states never straddle a host split
     CHECK(lynx::attention_split_tokens % lynx::cuda::attention_chunk_tokens == 0);
+  }
+
+  TEST_CASE("a status with a non-finite output becomes an error naming query, head and tokens") {
+    using lynx::cuda::attention_status;
+    auto message = [](attention_status st) -> std::string {
+      try {
+        lynx::cuda::throw_attention_status(st);
+      } catch (const lynx::error& e) {
+        CHECK(e.code() == lynx::errc::non_finite_input);
+        return e.what();
+      }
+      return "";
+    };
+    CHECK(message({lynx::cuda::attention_no_problem, 32, 4}).empty());
+    // row 37 of 32 q heads = query 1, head 5; chunk 2 of 4 prompt chunks
+    const std::string prompt = message({37ull << 32 | 2u, 32, 4});
+    CHECK(prompt.find("query 1, head 5 is not finite") != std::string::npos);
+    CHECK(prompt.find("prompt tokens [512, 768)") != std::string::npos);
+    const std::string tail = message({37ull << 32 | 5u, 32, 4});
+    CHECK(tail.find("tail tokens [256, 512)") != std::string::npos);
+    const std::string value = message({3ull << 32 | 0xffffffffu, 8, 1});
+    CHECK(value.find("query 0, head 3") != std::string::npos);
+    CHECK(value.find("a value it weighs") != std::string::npos);
   }
 
   TEST_CASE("bad shapes are rejected with clear errors before any launch") {
@@ -399,12 +453,8 @@ TEST_CASE("device batch invariance with a sliding window and a soft-cap") {
   const std::int64_t T = 900, H = 1, group = 4, D = 64, qh = H * group, n = 6, tail = 40;
   const lynx::kv_shape shape{T, H, D}, ts{tail, H, D};
   const auto k = make_kv(T, H, D, 21, true), v = make_kv(T, H, D, 22, false);
-  const auto enc =
-      lynx::encode<lynx::plan_8_4_4, 32>(lynx::token_major<const float>(k.data(), shape),
-                                         lynx::token_major<const float>(v.data(), shape), 0);
-  lynx::bitplane_tensor<lynx::plan_8_4_4, 32, lynx::device_space> tensor(shape, 0);
-  tensor.accept(enc.segment(0));
-  LYNX_CUDA_CHECK(cudaStreamSynchronize(tensor.stream()));
+  const auto enc = encode_8_4_4(k, v, shape);
+  const auto tensor = device_anchor(enc, shape);
   const auto tkh = convert<bf16>(make_kv(tail, H, D, 23, true)),
              tvh = convert<bf16>(make_kv(tail, H, D, 24, false));
   const device_tail<bf16> dtail(tkh, tvh, ts);
@@ -441,14 +491,10 @@ TEST_CASE("empty tail, tail only, float tail, dense bf16 prompt (the 16-bit base
   const double scale = 1.0 / std::sqrt(static_cast<double>(D));
 
   SUBCASE("empty tail: the queries see the prompt alone") {
-    const auto enc =
-        lynx::encode<lynx::plan_8_4_4, 32>(lynx::token_major<const float>(k.data(), shape),
-                                           lynx::token_major<const float>(v.data(), shape), 0);
-    lynx::bitplane_tensor<lynx::plan_8_4_4, 32, lynx::device_space> tensor(shape, 0);
+    const auto enc = encode_8_4_4(k, v, shape);
+    const auto tensor = device_anchor(enc, shape);
     lynx::bitplane_tensor<lynx::plan_8_4_4, 32> host_tensor(shape, 0);
-    tensor.accept(enc.segment(0));
     host_tensor.accept(enc.segment(0));
-    LYNX_CUDA_CHECK(cudaStreamSynchronize(tensor.stream()));
     const std::vector<bf16> none;
     const device_tail<bf16> empty(none, none, {0, H, D});
     const lynx::tail_visibility prompt_only{0, 0};
@@ -490,5 +536,77 @@ TEST_CASE("empty tail, tail only, float tail, dense bf16 prompt (the 16-bit base
                                                lynx::token_major<const bf16>(vb.data(), shape)};
     CHECK(worst_vs_host(out, run_host(host_prompt, tk, tv, {20, H, D}, q.data(), 3, qh, D, causal),
                         ref, D) <= 1.0);
+  }
+}
+
+TEST_CASE("non-finite input: NaN outputs for the queries that see it, named by the status") {
+  const std::int64_t T = 600, H = 2, group = 4, D = 64, qh = H * group, n = 3, TT = 40;
+  const lynx::kv_shape shape{T, H, D}, ts{TT, H, D};
+  const auto k = make_kv(T, H, D, 41, true), v = make_kv(T, H, D, 42, false);
+  const auto enc = encode_8_4_4(k, v, shape);
+  const auto tensor = device_anchor(enc, shape);
+  const auto q = make_queries(n, qh, D, 43);
+  const auto tk = convert<bf16>(make_kv(TT, H, D, 44, true)),
+             tv = convert<bf16>(make_kv(TT, H, D, 45, false));
+  const lynx::tail_visibility vis{37, 1};  // query i sees tail tokens [0, 38 + i)
+  const float nan = std::numeric_limits<float>::quiet_NaN(),
+              inf = std::numeric_limits<float>::infinity();
+  // runs with the given inputs; returns the outputs and the status's message
+  auto run = [&](const std::vector<float>& qx, const std::vector<bf16>& kx,
+                 const std::vector<bf16>& vx, lynx::tail_visibility vv, std::string& problem) {
+    const device_array<float> dq(qx);
+    const device_tail<bf16> dtail(kx, vx, ts);
+    return run_device(tensor.view(), dtail, dq.data(), n, qh, D, vv, nullptr,
+                      lynx::default_variant{}, &problem);
+  };
+  // Puts x at element `at` of input (0: queries, 1: tail keys, 2: tail values) and
+  // runs: the rows (query, head) is_bad names are NaN, all others keep the clean bits,
+  // and the status names `first` and `cause` (nothing when is_bad names no row).
+  auto poisoned = [&](int input, std::int64_t at, float x, lynx::tail_visibility vv, auto is_bad,
+                      const std::string& first, const std::string& cause) {
+    std::string problem;
+    const auto clean = run(q, tk, tv, vv, problem);
+    REQUIRE(problem.empty());
+    auto qx = q;
+    auto kx = tk, vx = tv;
+    if (input == 0) qx[static_cast<std::size_t>(at)] = x;
+    if (input > 0) (input == 1 ? kx : vx)[static_cast<std::size_t>(at)] = lynx::from_float<bf16>(x);
+    const auto out = run(qx, kx, vx, vv, problem);
+    for (std::int64_t r = 0; r < n * qh; ++r) {
+      CAPTURE(r);
+      if (is_bad(r / qh, r % qh))
+        CHECK(std::isnan(out[static_cast<std::size_t>(r * D)]));
+      else
+        CHECK(std::memcmp(out.data() + r * D, clean.data() + r * D, D * sizeof(float)) == 0);
+    }
+    if (first.empty()) CHECK(problem.empty());
+    CHECK(problem.find(first) != std::string::npos);
+    CHECK(problem.find(cause) != std::string::npos);
+  };
+  const auto kv_head = [&](std::int64_t g) {
+    return [=](std::int64_t, std::int64_t h) { return h / group == g; };
+  };
+  SUBCASE("NaN in a query: that (query, head) alone, its logits named") {
+    poisoned(
+        0, (1 * qh + 5) * D + 7, nan, vis,
+        [](std::int64_t i, std::int64_t h) { return i == 1 && h == 5; },
+        "query 1, head 5 is not finite", "prompt tokens [0, 256)");
+  }
+  SUBCASE("-inf in a tail key every query sees: all heads of its kv head") {
+    poisoned(1, (12 * H + 1) * D + 3, -inf, vis, kv_head(1), "query 0, head 4 is not finite",
+             "tail tokens [0, 256)");
+  }
+  SUBCASE("NaN in a tail value: the output, with finite logits") {
+    poisoned(2, (20 * H + 0) * D + 9, nan, vis, kv_head(0), "query 0, head 0 is not finite",
+             "a value it weighs");
+  }
+  SUBCASE("NaN in a tail token only the last query sees, and in one no query sees") {
+    poisoned(
+        1, 39 * H * D, nan, vis,  // query 2 sees [0, 40)
+        [](std::int64_t i, std::int64_t h) { return i == 2 && h / group == 0; },
+        "query 2, head 0 is not finite", "tail tokens [0, 256)");
+    poisoned(
+        1, 39 * H * D, nan, {36, 1},  // query 2 sees [0, 39)
+        [](std::int64_t, std::int64_t) { return false; }, "", "");
   }
 }

@@ -37,6 +37,14 @@
 // API (CUB style): call with workspace == nullptr to learn the workspace size,
 // then with a workspace of at least that many bytes (16-byte aligned). Shape
 // errors throw lynx::error before anything is launched; CUDA failures are returned.
+//
+// Non-finite input: a NaN or infinity in a query or in the K/V a query sees
+// makes that query's outputs NaN, never a finite wrong value. As the host's
+// softmax does, a non-finite logit turns its chunk's sum into NaN (the max stays
+// finite, the chunk adds no weight); NaN or infinity in a value reaches the output
+// through the multiply-adds. The combine kernel records the first such output in
+// the workspace; check_attention_status, after the stream, throws lynx::error
+// naming it (the launch itself cannot throw once it is queued).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -74,6 +82,20 @@ inline constexpr int attention_threads = 256;
 /// head_dim values the kernels are compiled for.
 inline constexpr int attention_head_dims[] = {8, 64, 128, 256};
 
+/// What a decode attention call found, at the start of its workspace (written by
+/// its kernels; read with check_attention_status after the stream).
+struct attention_status {
+  /// The first output that is not finite: (query * q_heads + head) << 32 | the
+  /// first chunk whose logits for it were not finite (0xffffffff: none, so a
+  /// value it weighs was); attention_no_problem when every output is finite.
+  unsigned long long non_finite_output;
+  std::int32_t q_heads;        // of the call, to name the query and head
+  std::int32_t prompt_chunks;  // of the call: chunk k < prompt_chunks is prompt tokens
+};
+inline constexpr unsigned long long attention_no_problem = ~0ull;
+/// Bytes the status takes at the start of a workspace (the partial states follow).
+inline constexpr std::int64_t attention_status_bytes = 256;
+
 /// A dense prompt cache in device memory (the 16-bit baseline, or an engine that
 /// reconstructed to bf16): [tokens][kv_heads][head_dim] at any strides.
 template <class T>
@@ -96,7 +118,8 @@ struct attention_launch_shape {
   [[nodiscard]] std::int64_t pair_tiles() const {
     return ceil_div(n_queries * group_heads(), attention_pairs_per_cta);
   }
-  /// Partial states: (m, l) [n_queries][q_heads][chunks] as float2, then acc
+  /// Workspace: the attention_status (attention_status_bytes), partial states
+  /// (m, l) [n_queries][q_heads][chunks] as float2, then acc
   /// [n_queries][q_heads][chunks][head_dim].
   [[nodiscard]] std::size_t state_pairs() const {
     return static_cast<std::size_t>(n_queries * q_heads * chunks());
@@ -104,7 +127,8 @@ struct attention_launch_shape {
   [[nodiscard]] std::size_t workspace_bytes() const {
     const std::size_t ml =
         static_cast<std::size_t>(align_up(static_cast<std::int64_t>(state_pairs() * 8), 256));
-    return ml + state_pairs() * static_cast<std::size_t>(head_dim) * 4 + 256;
+    return attention_status_bytes + ml + state_pairs() * static_cast<std::size_t>(head_dim) * 4 +
+           256;
   }
   [[nodiscard]] dim3 chunk_grid() const {
     return dim3(static_cast<unsigned>(chunks()), static_cast<unsigned>(kv_heads),
@@ -248,9 +272,10 @@ __device__ __forceinline__ void stage_block(const dense_source<T>& s, std::int64
 // ---------------------------------------------------------------------------
 
 struct chunk_params {
-  const float* queries;  // [n_queries][q_heads][D]
-  float2* ml;            // [n_queries][q_heads][chunks]: (m, l) of each chunk (log2 domain)
-  float* acc;            // [n_queries][q_heads][chunks][D]
+  attention_status* status;  // reset by the first CTA, then written by combine_kernel
+  const float* queries;      // [n_queries][q_heads][D]
+  float2* ml;                // [n_queries][q_heads][chunks]: (m, l) of each chunk (log2 domain)
+  float* acc;                // [n_queries][q_heads][chunks][D]
   std::int64_t n_queries, q_heads, group_heads;
   std::int64_t prompt_tokens, max_tail_visible;
   std::int64_t tail_base, tail_per_query;  // vis(i) = base + per_query * (i + 1)
@@ -296,6 +321,9 @@ __global__ void __launch_bounds__(attention_threads)
   const std::int64_t part_end = in_prompt ? p.prompt_tokens : p.max_tail_visible;
   const std::int64_t c1 =
       c0 + attention_chunk_tokens < part_end ? c0 + attention_chunk_tokens : part_end;
+  // the status of this call: combine_kernel, which runs after every CTA here, writes it
+  if (tid == 0 && chunk == 0 && blockIdx.y == 0 && blockIdx.z == 0)
+    *p.status = {attention_no_problem, static_cast<std::int32_t>(p.q_heads), p.prompt_chunks};
 
   // scaled queries, [channel][pair]; padding pairs 0
   for (int i = tid; i < D * PT; i += attention_threads) {
@@ -365,12 +393,19 @@ __global__ void __launch_bounds__(attention_threads)
       float logit = sum_eighths(parts + warp * 32 + lane, PT * 32);
       if (p.soft_cap > 0.0f) logit = p.soft_cap * tanhf(logit / p.soft_cap);
       const float s2 = seen ? logit * attention_log2e : attention_neg_inf;
+      // a visible logit that is not finite (softmax_split's rule): fmaxf and exp2
+      // would pass over it; the pair's sum becomes NaN, its max stays finite and the
+      // block adds no weight, so the output is NaN and combine_kernel reports it
+      const bool bad = __any_sync(0xffffffffu, seen && !isfinite(s2));
       float bmax = s2;
 #pragma unroll
       for (int o = 16; o >= 1; o /= 2) bmax = fmaxf(bmax, __shfl_xor_sync(0xffffffffu, bmax, o));
-      const bool active = bmax > attention_neg_inf;  // uniform over the warp
+      const bool active = !bad && bmax > attention_neg_inf;  // uniform over the warp
       float prob = 0.0f, alpha = 1.0f;
-      if (active) {
+      if (bad) {
+        l_run = __int_as_float(0x7fc00000);  // quiet NaN
+        m_run = m_run > attention_neg_inf ? m_run : 0.0f;
+      } else if (active) {
         const float m_new = m_run > bmax ? m_run : bmax;
         prob = seen ? attention_exp2(s2 - m_new) : 0.0f;
         float sum = prob;  // fixed tree: lane l += lane l + w, w = 16, 8, 4, 2, 1; lane 0's result
@@ -483,9 +518,11 @@ __global__ void __launch_bounds__(attention_threads)
 /// Merges the chunk states of one (query, q head) in context order (the same
 /// operations as merge_partial_state), normalizes, writes the log-sum-exp.
 /// Block: one thread per channel (every thread repeats the scalar m, l steps).
+/// An output that is not finite is recorded in `status` (the smallest row wins).
 template <int D>
 __global__ void __launch_bounds__(D < 32 ? 32 : D)
-    combine_kernel(const float2* ml, const float* acc, int chunks, float* out, float* lse) {
+    combine_kernel(const float2* ml, const float* acc, int chunks, float* out, float* lse,
+                   attention_status* status) {
   const std::int64_t row = blockIdx.x;  // query * q_heads + head
   const int c = static_cast<int>(threadIdx.x);
   float m = attention_neg_inf, l = 0.0f, o = 0.0f;
@@ -505,8 +542,18 @@ __global__ void __launch_bounds__(D < 32 ? 32 : D)
     o = __fmaf_rn(a, wb, __fmul_rn(o, wa));
     m = mm;
   }
-  if (c < D) out[row * D + c] = __fmul_rn(o, __frcp_rn(l));
+  const float r = __fmul_rn(o, __frcp_rn(l));
+  if (c < D) out[row * D + c] = r;
   if (c == 0 && lse != nullptr) lse[row] = (m + log2f(l)) * attention_ln2;
+  if (__syncthreads_or(c < D && !isfinite(r)) && c == 0) {
+    unsigned long long chunk = 0xffffffffull;  // first chunk with a non-finite logit (sum NaN)
+    for (int s = 0; s < chunks; ++s)
+      if (isnan(ml[row * chunks + s].y)) {
+        chunk = static_cast<unsigned long long>(s);
+        break;
+      }
+    atomicMin(&status->non_finite_output, static_cast<unsigned long long>(row) << 32 | chunk);
+  }
 }
 
 // ---------------------------------------------------------------------------
@@ -638,11 +685,14 @@ float soft_cap_of(const Variant& v) {
 template <int D, class PromptSrc, class TailSrc>
 cudaError_t launch(const PromptSrc& prompt, const TailSrc& tail, const attention_launch_shape& s,
                    chunk_params p, void* workspace, attention_output out, cudaStream_t stream) {
-  if (s.n_queries == 0) return cudaSuccess;
-  auto* ml = static_cast<float2*>(workspace);
+  auto* status = static_cast<attention_status*>(workspace);
+  if (s.n_queries == 0)  // nothing to launch; the status still says "no problem"
+    return cudaMemsetAsync(&status->non_finite_output, 0xff, sizeof(unsigned long long), stream);
+  auto* ml = reinterpret_cast<float2*>(static_cast<std::byte*>(workspace) + attention_status_bytes);
   auto* acc =
-      reinterpret_cast<float*>(static_cast<std::byte*>(workspace) +
+      reinterpret_cast<float*>(reinterpret_cast<std::byte*>(ml) +
                                align_up(static_cast<std::int64_t>(s.state_pairs() * 8), 256));
+  p.status = status;
   p.ml = ml;
   p.acc = acc;
   constexpr std::size_t smem = attention_smem<D>::bytes;
@@ -655,11 +705,45 @@ cudaError_t launch(const PromptSrc& prompt, const TailSrc& tail, const attention
   LYNX_CUDA_TRY(cudaGetLastError());
   constexpr unsigned combine_threads = D < 32 ? 32u : static_cast<unsigned>(D);
   combine_kernel<D><<<static_cast<unsigned>(s.n_queries * s.q_heads), combine_threads, 0, stream>>>(
-      ml, acc, p.chunks, out.data, out.lse);
+      ml, acc, p.chunks, out.data, out.lse, status);
   return cudaGetLastError();
 }
 
 }  // namespace detail
+
+/// Throws lynx::error (errc::non_finite_input) for a status that records an
+/// output that is not finite, naming its query and head and, when one of its
+/// logits was not finite, the chunk of context tokens that holds it. Host-only.
+inline void throw_attention_status(const attention_status& st) {
+  if (st.non_finite_output == attention_no_problem) return;
+  const std::int64_t row = static_cast<std::int64_t>(st.non_finite_output >> 32);
+  const std::int64_t chunk = static_cast<std::int64_t>(st.non_finite_output & 0xffffffffu);
+  const std::int64_t qh = st.q_heads > 0 ? st.q_heads : 1;
+  std::string what = "cuda attention: the output of query " + std::to_string(row / qh) + ", head " +
+                     std::to_string(row % qh) + " is not finite: ";
+  if (chunk == 0xffffffff) {
+    what += "its logits are finite, so a value it weighs (prompt or tail) holds NaN or infinity";
+  } else {
+    const bool prompt = chunk < st.prompt_chunks;
+    const std::int64_t first = (prompt ? chunk : chunk - st.prompt_chunks) * attention_chunk_tokens;
+    what += std::string("a logit against ") + (prompt ? "prompt" : "tail") + " tokens [" +
+            std::to_string(first) + ", " + std::to_string(first + attention_chunk_tokens) +
+            ") is NaN or infinite (NaN or infinity in its query or those keys, or a logit "
+            "beyond the float range)";
+  }
+  lynx::detail::fail(errc::non_finite_input, what);
+}
+
+/// Waits for `stream`, reads the status the last decode attention call on
+/// `workspace` left there and throws throw_attention_status's error if one of
+/// its outputs is not finite. The call itself is asynchronous and cannot throw
+/// for its data; an engine that synchronizes anyway (to sample a token) checks here.
+inline void check_attention_status(const void* workspace, cudaStream_t stream = nullptr) {
+  attention_status st{};
+  LYNX_CUDA_CHECK(cudaMemcpyAsync(&st, workspace, sizeof st, cudaMemcpyDeviceToHost, stream));
+  LYNX_CUDA_CHECK(cudaStreamSynchronize(stream));
+  throw_attention_status(st);
+}
 
 /// The CUDA decode attention functor; Variant sets the softmax scale, soft-cap and window.
 template <class Variant = default_variant>

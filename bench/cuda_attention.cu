@@ -139,6 +139,7 @@ void bm_planes(benchmark::State& state) {
                LYNX_CUDA_CHECK(attn(ws.data(), ws_bytes, view, in.tail(in.tk), in.tail(in.tv),
                                     in.queries(), {tail_tokens - 1, 1}, in.output()));
              });
+  lynx::cuda::check_attention_status(ws.data());  // the timed outputs are all finite
   state.SetLabel(what);
 }
 
@@ -164,6 +165,7 @@ void bm_bf16(benchmark::State& state) {
     LYNX_CUDA_CHECK(attn(ws.data(), ws_bytes, prompt, in.tail(in.tk), in.tail(in.tv), in.queries(),
                          {tail_tokens - 1, 1}, in.output()));
   });
+  lynx::cuda::check_attention_status(ws.data());
   state.SetLabel("bf16 baseline");
 }
 

@@ -195,6 +195,10 @@ TEST_CASE("long context: several splits, large GQA group") {
   accuracy_case<lynx::plan_8_4_4>(3000, 2, 8, 64, 1030, 4);  // tail crosses a split boundary
 }
 
+TEST_CASE("the longest context the attention is built for: 128K prompt tokens, 128 splits") {
+  accuracy_case<lynx::plan_8_4_4>(131072, 1, 4, 64, 9, 2);
+}
+
 TEST_CASE("empty tail, tail only, float tail, dense bf16 prompt (the 16-bit baseline)") {
   const std::int64_t T = 300, H = 2, D = 64, group = 4, qh = H * group;
   const lynx::kv_shape shape{T, H, D};

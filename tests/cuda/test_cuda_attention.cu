@@ -412,6 +412,10 @@ TEST_CASE("long context on the device: many chunks, GQA 8") {
   accuracy_case<lynx::plan_8_4_4, bf16>(5000, 1, 8, 128, 300, 2);
 }
 
+TEST_CASE("the longest context the attention is built for: 128K prompt tokens, 512 chunks") {
+  accuracy_case<lynx::plan_8_4_4, bf16>(131072, 1, 4, 64, 9, 2);
+}
+
 TEST_CASE_TEMPLATE("device batch invariance: a query alone gives the bits it gets among k = 2..8",
                    Plan, lynx::plan_8_4_4, lynx::plan_16_4_12) {
   const std::int64_t T = 1500, H = 2, group = 4, D = 128, qh = H * group, n = 8, tail = 300;

@@ -839,16 +839,15 @@ LYNX_ATTENTION_GFNI_TARGET inline void score_block_fused_gfni(const std::uint32_
   walk_io = walk;
 }
 
-/// Plane matrices of one 32-token block for 16 channels c0..c0+15, from planes
-/// [first, first + count) (count <= 8): m[2 o + u], qword (L, q) holds in byte j
-/// plane (first + j)'s bits of tokens 8o..8o+7 (bit i = token 8o + i) for
-/// channel c0 + 4L + 2u + q. Channels past `channels` read as zero words.
+/// Plane matrices of one 32-token block for 16 channels c0..c0+15 from x[j], the
+/// words of 16 channels of plane j (j < count <= 8; x[j] for j >= count is zero;
+/// x is clobbered): m[2 o + u], qword (L, q) holds in byte j word j's bits of
+/// tokens 8o..8o+7 (bit i = token 8o + i) for channel c0 + 4L + 2u + q.
 ///   1. a byte shuffle per plane puts each 128-bit lane in octet-major order
 ///      (byte 4o + c' = byte o of channel 4L + c');
 ///   2. three unpack levels gather the 8 planes' bytes of one (octet, channel).
 /// GF2P8AFFINEQB with one bit per byte of its first operand then reads the
 /// codes of chosen tokens out of each matrix (token_pair_pick_gfni).
-/// This form takes the plane words x (clobbered), planes past count zero.
 LYNX_ATTENTION_GFNI_INLINE void plane_matrices_of_words_gfni(__m512i x[8], int count,
                                                              __m512i m[8]) {
   const __m512i octet_major =
@@ -865,17 +864,18 @@ LYNX_ATTENTION_GFNI_INLINE void plane_matrices_of_words_gfni(__m512i x[8], int c
     }
 }
 
-/// plane_matrices_of_words_gfni of planes [first, first + count) read from rows.
-LYNX_ATTENTION_GFNI_INLINE void plane_matrices_gfni(const std::uint32_t* const* rows, int first,
-                                                    int count, int c0, int channels, __m512i m[8]) {
+/// plane_matrices_of_words_gfni of planes [0, count) read from rows (channels past
+/// `channels` read as zero words).
+LYNX_ATTENTION_GFNI_INLINE void plane_matrices_gfni(const std::uint32_t* const* rows, int count,
+                                                    int c0, int channels, __m512i m[8]) {
   __m512i x[8];
-  load_plane_words_gfni(rows, first, count, c0, channels, x);
+  load_plane_words_gfni(rows, 0, count, c0, channels, x);
   plane_matrices_of_words_gfni(x, count, m);
 }
 
 /// For more than 8 planes: plane matrices of 4 tokens and 16 planes, m[2 o + u] for
 /// tokens 8o..8o+3 and n[2 o + u] for tokens 8o+4..8o+7 (o, u, qwords as in
-/// plane_matrices_gfni): byte j holds plane j's bits of the 4 tokens in its low
+/// plane_matrices_of_words_gfni): byte j holds plane j's bits of the 4 tokens in its low
 /// nibble and plane j + 8's in its high nibble. One GF2P8AFFINEQB then reads both
 /// bytes of a token's code at once (token_pair_pick_two_gfni), where two 8-plane
 /// matrices need one each and an OR: half the picks for two shifts and two bit
@@ -900,7 +900,7 @@ LYNX_ATTENTION_GFNI_INLINE void nibble_plane_matrices_gfni(const std::uint32_t* 
 
 /// First operand of GF2P8AFFINEQB that reads tokens 2i and 2i + 1 of an octet
 /// out of every plane matrix: their codes land in the low bytes of the qword's
-/// two dwords (plane `first` in the top bit), the other bytes are 0.
+/// two dwords (plane 0 in the top bit), the other bytes are 0.
 LYNX_ATTENTION_GFNI_INLINE __m512i token_pair_pick_gfni(int i) {
   return _mm512_set1_epi64(static_cast<long long>((1ull << (2 * i)) | (1ull << (2 * i + 1 + 32))));
 }
@@ -960,7 +960,7 @@ LYNX_ATTENTION_GFNI_TARGET void add_values_pairs_gfni(
       if constexpr (TwoBytes)
         nibble_plane_matrices_gfni(rows, planes, c0 + 16 * n, cn, hi[n], lo[n]);
       else
-        plane_matrices_gfni(rows, 0, planes, c0 + 16 * n, cn, hi[n]);
+        plane_matrices_gfni(rows, planes, c0 + 16 * n, cn, hi[n]);
     }
     const std::int64_t tb = k * attention_block_tokens;
 #pragma GCC unroll 4

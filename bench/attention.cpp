@@ -2,7 +2,9 @@
 // head_dim 128), one query, at 4,096 and 32,768 prompt tokens, single thread and
 // all threads:
 //   anchor of 8 = 4 + 4 (4 planes), all planes of 8 = 4 + 4, all planes of
-//   16 = 4 + 12, and the bf16 baseline (dense bf16 K/V, same functor),
+//   16 = 4 + 12, the same two complete layers merged once into codes
+//   (lynx::code_tensor: what decoding reads after the last stream has landed),
+//   and the bf16 baseline (dense bf16 K/V, same functor),
 // and, in the same binary, each case's two limits on this machine:
 //   memory floor   a streaming read of exactly the bytes the case reads
 //                  (plane words at its precision + scales/zeros, or bf16 K/V);
@@ -10,7 +12,8 @@
 //                  tokens * head_dim per query: q.k and p.v) at the widest
 //                  SIMD width, with enough independent chains to saturate it.
 // After the runs it prints each case's time as a multiple of its floor
-// max(memory, compute) and as a ratio to the bf16 baseline of the same shape.
+// max(memory, compute) and as a ratio to the bf16 baseline of the same shape,
+// then the one-time cost of merging a complete layer into codes.
 // On a shared machine run with --benchmark_repetitions=N: the table takes the
 // median repetition of every benchmark (floors and cases alike).
 #include <benchmark/benchmark.h>
@@ -23,6 +26,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #if defined(__linux__)
@@ -108,6 +112,8 @@ struct layer_data {
   huge_page_array<lynx::bf16> keys, values;  // [tokens][kv_heads][head_dim]
   lynx::bitplane_tensor<lynx::plan_8_4_4> t8;
   lynx::bitplane_tensor<lynx::plan_16_4_12> t16;
+  lynx::code_tensor<lynx::plan_8_4_4> c8;
+  lynx::code_tensor<lynx::plan_16_4_12> c16;
   std::vector<float> query;  // [q_heads][head_dim]
 
   explicit layer_data(std::int64_t T)
@@ -132,10 +138,19 @@ struct layer_data {
     for (int s = 0; s < 2; ++s) t8.accept(e8.segment(s));
     const auto e16 = lynx::encode<lynx::plan_16_4_12>(kv, vv, 0, opt);
     for (int s = 0; s < 2; ++s) t16.accept(e16.segment(s));
+    c8 = lynx::code_tensor<lynx::plan_8_4_4>(t8, 0);
+    c16 = lynx::code_tensor<lynx::plan_16_4_12>(t16, 0);
   }
 };
 
-enum class which { anchor_8_4_4, all_8_4_4, all_16_4_12, bf16_baseline };
+enum class which {
+  anchor_8_4_4,
+  all_8_4_4,
+  all_16_4_12,
+  codes_8_4_4,
+  codes_16_4_12,
+  bf16_baseline
+};
 const char* case_name(which w) {
   switch (w) {
     case which::anchor_8_4_4:
@@ -144,13 +159,17 @@ const char* case_name(which w) {
       return "all_8=4+4";
     case which::all_16_4_12:
       return "all_16=4+12";
+    case which::codes_8_4_4:
+      return "codes_8=4+4";
+    case which::codes_16_4_12:
+      return "codes_16=4+12";
     default:
       return "bf16_baseline";
   }
 }
 
-// Bytes a case must read: plane words at its precision plus the anchor's scales
-// and zeros, or the bf16 K/V.
+// Bytes a case must read: plane words at its precision (or the codes, the same
+// bytes) plus the anchor's scales and zeros, or the bf16 K/V.
 std::size_t case_bytes(which w, std::int64_t T) {
   const std::int64_t blocks = (T + 31) / 32;
   const std::int64_t words_per_plane = 2 * kv_heads * blocks * head_dim;  // K and V
@@ -160,8 +179,10 @@ std::size_t case_bytes(which w, std::int64_t T) {
     case which::anchor_8_4_4:
       return static_cast<std::size_t>(words_per_plane * 4 * 4 + params);
     case which::all_8_4_4:
+    case which::codes_8_4_4:
       return static_cast<std::size_t>(words_per_plane * 8 * 4 + params);
     case which::all_16_4_12:
+    case which::codes_16_4_12:
       return static_cast<std::size_t>(words_per_plane * 16 * 4 + params);
     default:
       return static_cast<std::size_t>(2 * T * kv_heads * head_dim * 2);
@@ -211,12 +232,37 @@ void run_case(benchmark::State& state, which w, std::int64_t T, int threads) {
     case which::all_16_4_12:
       call(d.t16.view());
       break;
+    case which::codes_8_4_4:
+      call(d.c8.view());
+      break;
+    case which::codes_16_4_12:
+      call(d.c16.view());
+      break;
     default:
       call(dense);
       break;
   }
   state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations()) *
                           static_cast<std::int64_t>(case_bytes(w, T)));
+}
+
+// The one-time merge of a complete layer into codes (allocation included).
+template <class Plan>
+void run_merge(benchmark::State& state, std::int64_t T, int threads) {
+  layer_data& d = layer(T);
+  const auto& tensor = [&]() -> const auto& {
+    if constexpr (Plan::bits == 8)
+      return d.t8;
+    else
+      return d.t16;
+  }
+  ();
+  for (auto _ : state) {
+    lynx::code_tensor<Plan> codes(tensor, threads);
+    benchmark::DoNotOptimize(codes.view().key_codes);
+  }
+  state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations()) *
+                          (T * kv_heads * head_dim * 2 * Plan::bits / 8));
 }
 
 void run_memory_floor(benchmark::State& state, which w, std::int64_t T, int threads) {
@@ -291,8 +337,8 @@ int main(int argc, char** argv) {
   std::vector<int> thread_counts{1};
   if (all > 1) thread_counts.push_back(all);
   const std::vector<std::int64_t> contexts{4096, 32768};
-  const which cases[] = {which::anchor_8_4_4, which::all_8_4_4, which::all_16_4_12,
-                         which::bf16_baseline};
+  const which cases[] = {which::anchor_8_4_4, which::all_8_4_4,     which::all_16_4_12,
+                         which::codes_8_4_4,  which::codes_16_4_12, which::bf16_baseline};
   for (std::int64_t T : contexts)
     for (int th : thread_counts) {
       for (which w : cases) {
@@ -305,6 +351,16 @@ int main(int argc, char** argv) {
             ->Unit(benchmark::kMillisecond)
             ->UseRealTime();
       }
+      benchmark::RegisterBenchmark(
+          name("merge", "8=4+4", T, th).c_str(),
+          [=](benchmark::State& s) { run_merge<lynx::plan_8_4_4>(s, T, th); })
+          ->Unit(benchmark::kMillisecond)
+          ->UseRealTime();
+      benchmark::RegisterBenchmark(
+          name("merge", "16=4+12", T, th).c_str(),
+          [=](benchmark::State& s) { run_merge<lynx::plan_16_4_12>(s, T, th); })
+          ->Unit(benchmark::kMillisecond)
+          ->UseRealTime();
       benchmark::RegisterBenchmark(name("floor_compute", "fma", T, th).c_str(),
                                    [=](benchmark::State& s) { run_compute_floor(s, T, th); })
           ->Unit(benchmark::kMillisecond)
@@ -336,6 +392,27 @@ int main(int argc, char** argv) {
         const double floor = std::max(mem, compute);
         std::printf("%-15s %7lld %7d %9.3f %9.3f %9.3f %11.2fx %8.2fx\n", case_name(w),
                     static_cast<long long>(T), th, t, mem, compute, t / floor, t / bf16_ms);
+      }
+    }
+  std::printf(
+      "\nMerging a complete layer into codes (once per layer, when its last stream lands),\n"
+      "in ms and in decode steps the codes save over reading all planes:\n");
+  for (std::int64_t T : contexts)
+    for (int th : thread_counts) {
+      const auto find = [&](const std::string& k) {
+        const auto it = reporter.ms.find(k);
+        return it == reporter.ms.end() ? std::nan("") : it->second;
+      };
+      const std::pair<which, which> pairs[] = {{which::all_8_4_4, which::codes_8_4_4},
+                                               {which::all_16_4_12, which::codes_16_4_12}};
+      const char* merges[] = {"8=4+4", "16=4+12"};
+      for (int k = 0; k < 2; ++k) {
+        const double m = find(key("merge", merges[k], T, th));
+        if (std::isnan(m)) continue;
+        const double saved = find(key("attention", case_name(pairs[k].first), T, th)) -
+                             find(key("attention", case_name(pairs[k].second), T, th));
+        std::printf("merge %-9s %7lld %7d %9.3f ms  = %6.1f steps\n", merges[k],
+                    static_cast<long long>(T), th, m, m / saved);
       }
     }
   return 0;

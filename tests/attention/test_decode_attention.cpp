@@ -303,6 +303,98 @@ TEST_CASE_TEMPLATE("batch invariance: alone vs among k queries, any thread count
   }
 }
 
+namespace {
+
+// A complete layer merged into codes: the codes are merge()'s (padding tokens 0),
+// and attention over them gives the bits of attention over all planes, on every
+// path, batch and thread count.
+template <class Plan, int G = 32>
+void codes_case(std::int64_t tokens, std::int64_t kv_heads, std::int64_t group, std::int64_t D,
+                std::int64_t tail_tokens, std::int64_t n) {
+  CAPTURE(Plan::name());
+  CAPTURE(G);
+  CAPTURE(tokens);
+  CAPTURE(D);
+  CAPTURE(group);
+  const lynx::kv_shape shape{tokens, kv_heads, D};
+  const auto k = make_kv(tokens, kv_heads, D, 61, true),
+             v = make_kv(tokens, kv_heads, D, 62, false);
+  const auto tk = to_tail<bf16>(make_kv(tail_tokens, kv_heads, D, 63, true)),
+             tv = to_tail<bf16>(make_kv(tail_tokens, kv_heads, D, 64, false));
+  const std::int64_t qh = kv_heads * group;
+  const auto q = make_queries(n, qh, D, 65);
+  const lynx::tail_visibility vis{tail_tokens - n, 1};
+  const auto tensor = make_tensor<Plan, G>(k, v, shape, Plan::streams);
+  for (int threads : {1, 2}) {
+    const lynx::code_tensor<Plan, G> codes(tensor, threads);
+    const auto cv = codes.view();
+    const auto merged = lynx::merge(tensor);
+    const std::int64_t blocks = (tokens + 31) / 32;
+    bool keys_same = true, values_same = true;
+    for (std::int64_t h = 0; h < kv_heads; ++h)
+      for (std::int64_t t = 0; t < blocks * 32; ++t)
+        for (std::int64_t c = 0; c < D; ++c) {
+          const std::size_t i = static_cast<std::size_t>((h * tokens + t) * D + c);
+          const unsigned want_k = t < tokens ? merged.key_codes[i] : 0u,
+                         want_v = t < tokens ? merged.value_codes[i] : 0u;
+          keys_same &= cv.key_block(h, t / 32)[c * 32 + t % 32] == want_k;
+          values_same &= cv.value_row(h, t)[c] == want_v;
+        }
+    CHECK(keys_same);
+    CHECK(values_same);
+    CHECK(std::memcmp(cv.key_scale(), merged.key_scale.data(), merged.key_scale.size() * 4) == 0);
+    CHECK(std::memcmp(cv.value_zero(), merged.value_zero.data(), merged.value_zero.size() * 4) ==
+          0);
+    for (auto path : paths()) {
+      CAPTURE(static_cast<int>(path));
+      std::vector<float> lse_planes, lse_codes;
+      const auto want = run_attention(tensor.view(), tk, tv, tail_tokens, kv_heads, D, q.data(), n,
+                                      qh, vis, 1, path, &lse_planes);
+      const auto got = run_attention(cv, tk, tv, tail_tokens, kv_heads, D, q.data(), n, qh, vis,
+                                     threads, path, &lse_codes);
+      CHECK(same_bits(want, got.data(), want.size()));
+      CHECK(same_bits(lse_planes, lse_codes.data(), lse_planes.size()));
+      // one query alone: the same bits as among the others
+      const auto alone =
+          run_attention(cv, tk, tv, tail_tokens, kv_heads, D, q.data() + (n - 1) * qh * D, 1, qh,
+                        {vis.base + n - 1, 1}, 1, path);
+      CHECK(same_bits(alone, got.data() + (n - 1) * qh * D, alone.size()));
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("a complete layer merged into codes: the bits of attention over all its planes",
+                   Plan, lynx::plan_8_4_4, lynx::plan_8_2_2_4, lynx::plan_16_4_12,
+                   lynx::plan_16_4_4_8) {
+  codes_case<Plan>(37, 2, 4, 64, 5, 3);
+  codes_case<Plan>(2100, 1, 8, 128, 1030, 3);  // three prompt splits, tail over a split boundary
+  codes_case<Plan>(1, 3, 1, 8, 4, 4);          // head_dim 8: the portable value loop
+  codes_case<Plan>(65, 1, 4, 256, 1, 1);
+  codes_case<Plan>(45, 2, 2, 24, 3, 2);         // head_dim not a multiple of 16
+  codes_case<Plan>(140, 1, 3, 64, 2, 2);        // 3 heads per kv head: passes of 2 heads and 1
+  codes_case<Plan, 64>(300, 2, 5, 48, 2, 2);    // 5 heads: 4 + 1; 48 channels: passes of 32, 16
+  codes_case<Plan, 64>(1100, 2, 4, 128, 3, 2);  // a value group spans a pass of 32 channels
+  codes_case<Plan, 64>(300, 1, 2, 192, 2, 2);
+  codes_case<Plan, 16>(200, 1, 4, 64, 2, 2);  // key groups of 16 tokens: the portable scores
+  codes_case<Plan, 8>(100, 1, 4, 64, 2, 2);   // value groups of 8 channels: the portable values
+  codes_case<Plan>(131, 1, 12, 64, 2, 2);     // 12 heads: score passes of 8 and 4
+}
+
+TEST_CASE("codes are made from a complete layer only") {
+  const lynx::kv_shape shape{40, 1, 16};
+  const auto k = make_kv(40, 1, 16, 71, true), v = make_kv(40, 1, 16, 72, false);
+  const auto tensor = make_tensor<lynx::plan_16_4_4_8>(k, v, shape, 2);
+  try {
+    const lynx::code_tensor<lynx::plan_16_4_4_8> codes(tensor);
+    FAIL("an incomplete layer was merged");
+  } catch (const lynx::error& e) {
+    CHECK(e.code() == lynx::errc::invalid_argument);
+    CHECK(std::string(e.what()).find("layer 0 has 2 of 3 streams") != std::string::npos);
+  }
+}
+
 TEST_CASE("dense bf16 prompt: same bits on every path, layout, batch and thread count") {
   // A token-major bf16 prompt on the AVX-512 path is walked several kv heads per
   // work item; a head-major copy of the same cache, one kv head per item. Both,

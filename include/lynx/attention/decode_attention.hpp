@@ -38,6 +38,7 @@
 #include <string>
 #include <type_traits>
 
+#include "lynx/attention/code_tensor.hpp"
 #include "lynx/attention/tile_math.hpp"
 #include "lynx/attention/variant.hpp"
 #include "lynx/backend/host/attention_kernels.hpp"
@@ -135,6 +136,10 @@ template <stream_plan_type Plan, int G>
 struct prompt_traits<bitplane_view<Plan, G, host_space>> {
   static constexpr bool valid = true;
 };
+template <stream_plan_type Plan, int G>
+struct prompt_traits<code_view<Plan, G>> {
+  static constexpr bool valid = true;
+};
 template <class T>
 struct prompt_traits<dense_prompt<T>> {
   static constexpr bool valid = kv_element<T>;
@@ -142,8 +147,8 @@ struct prompt_traits<dense_prompt<T>> {
 
 }  // namespace detail
 
-/// A prompt the host attention reads: no_prompt, a host bitplane_view, or a
-/// dense_prompt<bf16|float|fp16>.
+/// A prompt the host attention reads: no_prompt, a host bitplane_view, a
+/// code_view (a complete layer merged into codes), or a dense_prompt<bf16|float|fp16>.
 template <class P>
 concept host_attention_prompt = detail::prompt_traits<std::remove_cvref_t<P>>::valid;
 
@@ -237,7 +242,7 @@ class decode_attention {
                   const attention_options& options = {}) const {
     static_assert(host_attention_prompt<Prompt>,
                   "decode_attention: the prompt must be lynx::no_prompt, a "
-                  "lynx::bitplane_view<Plan, G, host_space> "
+                  "lynx::bitplane_view<Plan, G, host_space>, a lynx::code_view<Plan, G> "
                   "or a lynx::dense_prompt<T> (T = float, bf16 or fp16)");
     static_assert(std::is_same_v<TailT, float> || std::is_same_v<TailT, bf16>,
                   "decode_attention: the tail holds float or bf16");
@@ -258,6 +263,9 @@ class decode_attention {
     if constexpr (std::is_same_v<Prompt, no_prompt>) {
       run(p, static_cast<const detail::dense_kv_source<TailT>*>(nullptr), tail_keys, tail_values, q,
           vis, out, ws, options, simd);
+    } else if constexpr (requires { prompt.key_codes; }) {
+      const detail::code_kv_source<std::remove_cvref_t<Prompt>> src{prompt};
+      run(p, &src, tail_keys, tail_values, q, vis, out, ws, options, simd);
     } else if constexpr (requires { prompt.geometry; }) {
       using view_t = std::remove_cvref_t<Prompt>;
       const detail::plane_kv_source<typename view_t::plan, view_t::group_size> src{prompt,

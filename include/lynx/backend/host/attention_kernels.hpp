@@ -122,6 +122,52 @@ struct dense_kv_source {
   [[nodiscard]] int head_dim() const { return static_cast<int>(keys.shape.head_dim); }
 };
 
+/// A complete layer's codes laid out for attention (lynx::code_view): key codes
+/// [kv_heads][blocks][head_dim][32] (lane = token), value codes [kv_heads][blocks * 32][head_dim]
+/// (lane = channel), the anchor's parameters. The same math as a plane_kv_source at all
+/// planes, the same bits; only the decoding of the planes is gone.
+template <class View>
+struct code_kv_source {
+  View view;
+  int planes = View::plan::bits;
+  using code_type = typename View::code_type;
+  [[nodiscard]] std::int64_t tokens() const { return view.geometry.tokens; }
+  [[nodiscard]] int head_dim() const { return static_cast<int>(view.geometry.head_dim); }
+  [[nodiscard]] float level_unit() const {
+    return static_cast<float>(1u << (View::plan::bits - planes));
+  }
+  [[nodiscard]] float half() const { return midpoint_offset<View::plan::bits>(planes); }
+  /// Adds to `walk` everything one split [t0, t1) of kv head h reads, keys or
+  /// values, in the order the kernels read it: scales and zeros, then codes.
+  void walk_split(prefetch_walk& walk, bool keys, std::int64_t h, std::int64_t t0,
+                  std::int64_t t1) const {
+    if (t1 <= t0) return;
+    const layer_geometry& g = view.geometry;
+    const std::int64_t b0 = t0 / attention_block_tokens,
+                       b1 = (t1 + attention_block_tokens - 1) / attention_block_tokens;
+    constexpr std::int64_t code_bytes = sizeof(code_type);
+    if (keys) {
+      const std::int64_t k0 = (h * g.key_token_groups() + t0 / g.key_group) * g.head_dim,
+                         k1 = (h * g.key_token_groups() + (t1 - 1) / g.key_group + 1) * g.head_dim;
+      walk.add(view.key_scale() + k0, (k1 - k0) * 4);
+      walk.add(view.key_zero() + k0, (k1 - k0) * 4);
+      walk.add(view.key_block(h, b0), (b1 - b0) * g.head_dim * attention_block_tokens * code_bytes);
+    } else {
+      const std::int64_t groups = g.value_channel_groups();
+      const std::int64_t v0 = (h * g.tokens + t0) * groups, v1 = (h * g.tokens + t1) * groups;
+      walk.add(view.value_scale() + v0, (v1 - v0) * 4);
+      walk.add(view.value_zero() + v0, (v1 - v0) * 4);
+      walk.add(view.value_row(h, t0), (b1 * attention_block_tokens - t0) * g.head_dim * code_bytes);
+    }
+  }
+};
+
+/// The value weights of a code source: no GFNI decoder, so no shift folded in.
+template <class View>
+bool gfni_values(const code_kv_source<View>&) {
+  return false;
+}
+
 /// A split a worker walks next (kv head, tokens), for the L2 prefetches; t1 <= t0: none.
 struct next_split {
   std::int64_t kv_head = 0, t0 = 0, t1 = 0;
@@ -230,9 +276,9 @@ void score_tokens_portable(const plane_kv_source<Plan, G>& src, std::int64_t kv_
 
 /// Value weights of tokens [t0, t1) (shared by both paths): weights[h][grp][t - t0]
 /// and offsets[h][grp] = sum_t p * (scale * half + zero), in token order.
-template <stream_plan_type Plan, int G>
-void value_weights_portable(const plane_kv_source<Plan, G>& src, std::int64_t kv_head, int heads,
-                            std::int64_t t0, std::int64_t t1, const split_scratch& w) {
+template <class Source>
+void value_weights_portable(const Source& src, std::int64_t kv_head, int heads, std::int64_t t0,
+                            std::int64_t t1, const split_scratch& w) {
   const layer_geometry& g = src.view.geometry;
   const std::int64_t groups = g.value_channel_groups();
   const float unit = src.level_unit(), half = src.half();
@@ -292,6 +338,63 @@ void accumulate_values_portable(const plane_kv_source<Plan, G>& src, std::int64_
               w.weights[(h * groups + c / VG) * attention_split_tokens + (t - t0)], code,
               sums[h * D + c]);
       }
+    }
+  }
+  for (std::int64_t i = 0; i < heads * D; ++i) acc[i] += odd[i];
+  add_value_offsets(w.offsets, heads, D, groups, VG, acc);
+}
+
+/// score_tokens_portable of a code source: the same operations on the stored codes.
+template <class View>
+void score_tokens_portable(const code_kv_source<View>& src, std::int64_t kv_head, const float* q,
+                           int heads, std::int64_t t0, std::int64_t t1, const split_scratch& w) {
+  const layer_geometry& g = src.view.geometry;
+  const int D = static_cast<int>(g.head_dim);
+  const float unit = src.level_unit(), half = src.half();
+  std::int64_t folded_group = -1;
+  for (std::int64_t t = t0; t < t1; ++t) {
+    const std::int64_t grp = t / g.key_group;
+    if (grp != folded_group) {
+      const std::int64_t base = (kv_head * g.key_token_groups() + grp) * D;
+      for (int h = 0; h < heads; ++h)
+        w.bias[h] =
+            fold_query_into_key_group(q + h * D, src.view.key_scale() + base,
+                                      src.view.key_zero() + base, D, unit, half, w.qs + h * D);
+      folded_group = grp;
+    }
+    const auto* kb =
+        src.view.key_block(kv_head, t / attention_block_tokens) + t % attention_block_tokens;
+    for (int h = 0; h < heads; ++h) {
+      const float* qs = w.qs + h * D;
+      float s = 0.0f;
+      for (int c = 0; c < D; ++c)
+        s = detail::fused_multiply_add(qs[c], static_cast<float>(kb[c * attention_block_tokens]),
+                                       s);
+      w.scores[h * attention_split_tokens + (t - t0)] = s + w.bias[h];
+    }
+  }
+}
+
+/// accumulate_values_portable of a code source: the same operations on the stored codes.
+template <class View>
+void accumulate_values_portable(const code_kv_source<View>& src, std::int64_t kv_head, int heads,
+                                std::int64_t t0, std::int64_t t1, float* acc,
+                                const split_scratch& w) {
+  const layer_geometry& g = src.view.geometry;
+  const int D = static_cast<int>(g.head_dim);
+  const std::int64_t groups = g.value_channel_groups(), VG = g.value_group;
+  float* odd = w.odd;
+  std::fill(acc, acc + heads * D, 0.0f);
+  std::fill(odd, odd + heads * D, 0.0f);
+  for (std::int64_t t = t0; t < t1; ++t) {
+    float* sums = t % 2 == 0 ? acc : odd;
+    const auto* row = src.view.value_row(kv_head, t);
+    for (int c = 0; c < D; ++c) {
+      const float code = static_cast<float>(row[c]);
+      for (int h = 0; h < heads; ++h)
+        sums[h * D + c] = detail::fused_multiply_add(
+            w.weights[(h * groups + c / VG) * attention_split_tokens + (t - t0)], code,
+            sums[h * D + c]);
     }
   }
   for (std::int64_t i = 0; i < heads * D; ++i) acc[i] += odd[i];
@@ -567,13 +670,10 @@ bool gfni_values(const plane_kv_source<Plan, G>& src) {
 
 /// value_weights_portable for heads [h0, h0 + hn) and groups [g0, g0 + gn), 16
 /// tokens per step (same operations per lane), the weights into `out`.
-template <stream_plan_type Plan, int G>
-LYNX_ATTENTION_AVX512_TARGET void value_weights_range_avx512(const plane_kv_source<Plan, G>& src,
-                                                             std::int64_t kv_head, int h0, int hn,
-                                                             std::int64_t g0, std::int64_t gn,
-                                                             std::int64_t t0, std::int64_t t1,
-                                                             const split_scratch& w,
-                                                             const weight_rows& out) {
+template <class Source>
+LYNX_ATTENTION_AVX512_TARGET void value_weights_range_avx512(
+    const Source& src, std::int64_t kv_head, int h0, int hn, std::int64_t g0, std::int64_t gn,
+    std::int64_t t0, std::int64_t t1, const split_scratch& w, const weight_rows& out) {
   const layer_geometry& g = src.view.geometry;
   const std::int64_t groups = g.value_channel_groups();
   // the GFNI value kernels multiply by prefix << (decoded_bits - P): the weights
@@ -620,10 +720,9 @@ LYNX_ATTENTION_AVX512_TARGET void value_weights_range_avx512(const plane_kv_sour
 }
 
 /// value_weights_portable: all heads and groups into w.weights.
-template <stream_plan_type Plan, int G>
-LYNX_ATTENTION_AVX512_TARGET void value_weights_avx512(const plane_kv_source<Plan, G>& src,
-                                                       std::int64_t kv_head, int heads,
-                                                       std::int64_t t0, std::int64_t t1,
+template <class Source>
+LYNX_ATTENTION_AVX512_TARGET void value_weights_avx512(const Source& src, std::int64_t kv_head,
+                                                       int heads, std::int64_t t0, std::int64_t t1,
                                                        const split_scratch& w) {
   const std::int64_t groups = src.view.geometry.value_channel_groups();
   value_weights_range_avx512(src, kv_head, 0, heads, 0, groups, t0, t1, w,
@@ -790,6 +889,44 @@ LYNX_ATTENTION_GFNI_INLINE void decode_chunk_gfni(const std::uint32_t* const* ro
       }
       use(4 * L + m, k);
     }
+}
+
+/// The codes of one 32-token block of Bits planes (all of them) as integers, for
+/// code_tensor: out[c][32] (lane = token, Transposed false) or out[t][D]
+/// (Transposed true). Padding tokens decode as 0 (their plane bits are 0).
+template <int Bits, bool Transposed, class Code>
+LYNX_ATTENTION_GFNI_TARGET void block_codes_gfni(const std::uint32_t* const* rows, int D,
+                                                 Code* out) {
+  constexpr bool Two = Bits > 8;
+  constexpr int shift = (Two ? 16 : 8) - Bits;  // the decoder gives code << shift
+  __m512i zext[4];
+  token_byte_zext_gfni(zext);
+  alignas(64) Code tile[16][32];
+  struct store {
+    Code* dst;  // [16][32]: channel c0 + i at row i
+    LYNX_ATTENTION_GFNI_INLINE void operator()(int i, const __m512* k) const {
+      for (int s = 0; s < 2; ++s) {
+        const __m512i v = _mm512_srli_epi32(_mm512_cvttps_epi32(k[s]), shift);
+        if constexpr (sizeof(Code) == 1)
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i * 32 + 16 * s),
+                           _mm512_cvtepi32_epi8(v));
+        else
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i * 32 + 16 * s),
+                              _mm512_cvtepi32_epi16(v));
+      }
+    }
+  };
+  for (int c0 = 0; c0 < D; c0 += 16) {
+    const int cn = D - c0 < 16 ? D - c0 : 16;
+    Code* dst = Transposed ? &tile[0][0] : out + c0 * 32;
+    if (cn == 16)
+      decode_chunk_gfni<Two>(rows, Bits, c0, 16, zext, store{dst});
+    else
+      decode_chunk_gfni<Two>(rows, Bits, c0, cn, zext, store{dst});
+    if constexpr (Transposed)
+      for (int t = 0; t < 32; ++t)
+        for (int i = 0; i < cn; ++i) out[t * D + c0 + i] = tile[i][t];
+  }
 }
 
 /// Scores of HC heads against one key block, decoding 16 channels at a time in
@@ -1206,6 +1343,186 @@ LYNX_ATTENTION_AVX512_TARGET void accumulate_values_avx512(const plane_kv_source
   add_value_offsets(w.offsets, heads, D, groups, VG, acc);
 }
 
+/// 16 consecutive codes as floats (exact: codes are below 2^16).
+template <class Code>
+LYNX_ATTENTION_AVX512_TARGET __attribute__((always_inline)) inline __m512 load16_codes_avx512(
+    const Code* p) {
+  if constexpr (sizeof(Code) == 1)
+    return _mm512_cvtepi32_ps(
+        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  else
+    return _mm512_cvtepi32_ps(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+}
+
+/// score_block_avx512 on stored key codes kb[c][32]: the same operations.
+/// `walk` steps Lines lines per channel, into the cache level of Hint.
+template <int HC, int Lines, int Hint, class Code>
+LYNX_ATTENTION_AVX512_TARGET inline void score_code_block_avx512(const Code* kb, int D,
+                                                                 const float* qs, const float* bias,
+                                                                 float* out,
+                                                                 prefetch_walk& walk_io) {
+  prefetch_walk walk = walk_io;  // a local copy: its cursor stays in registers
+  __m512 a[HC][2];
+  for (int h = 0; h < HC; ++h) a[h][0] = a[h][1] = _mm512_setzero_ps();
+  for (int c = 0; c < D; ++c) {
+    walk.step<Lines, Hint>();
+    const __m512 k0 = load16_codes_avx512(kb + c * 32), k1 = load16_codes_avx512(kb + c * 32 + 16);
+    for (int h = 0; h < HC; ++h) {
+      const __m512 qv = _mm512_set1_ps(qs[h * D + c]);
+      a[h][0] = _mm512_fmadd_ps(qv, k0, a[h][0]);
+      a[h][1] = _mm512_fmadd_ps(qv, k1, a[h][1]);
+    }
+  }
+  for (int h = 0; h < HC; ++h) {
+    const __m512 b = _mm512_set1_ps(bias[h]);
+    _mm512_storeu_ps(out + h * attention_split_tokens, _mm512_add_ps(a[h][0], b));
+    _mm512_storeu_ps(out + h * attention_split_tokens + 16, _mm512_add_ps(a[h][1], b));
+  }
+  walk_io = walk;
+}
+
+/// score_tokens_avx512 of a code source (G % 32 == 0: one key group per block).
+template <class View>
+LYNX_ATTENTION_AVX512_TARGET void score_tokens_avx512(const code_kv_source<View>& src,
+                                                      std::int64_t kv_head, const float* q,
+                                                      int heads, std::int64_t t0, std::int64_t t1,
+                                                      const split_scratch& w,
+                                                      const next_split& = {}) {
+  const layer_geometry& g = src.view.geometry;
+  const int D = static_cast<int>(g.head_dim);
+  const float unit = src.level_unit(), half = src.half();
+  std::int64_t folded[2] = {-1, -1};
+  auto fold = [&](std::int64_t grp) {
+    const int slot = static_cast<int>(grp & 1);
+    if (folded[slot] == grp) return;
+    const std::int64_t base = (kv_head * g.key_token_groups() + grp) * D;
+    fold_queries_avx512(q, heads, src.view.key_scale() + base, src.view.key_zero() + base, D, unit,
+                        half, w.qs + slot * heads * D, w.bias + slot * heads);
+    folded[slot] = grp;
+  };
+  // this split's values (walked after the scores) are asked for while it scores;
+  // accumulate_values_avx512 then asks for the next split's keys
+  prefetch_walk walk;
+  src.walk_split(walk, false, kv_head, t0, t1);
+  const std::int64_t nb =
+      (t1 + attention_block_tokens - 1) / attention_block_tokens - t0 / attention_block_tokens;
+  const int lines = walk_step_lines(walk, nb * ((heads + 7) / 8) * D);
+  for (std::int64_t b = t0 / attention_block_tokens; b * attention_block_tokens < t1; ++b) {
+    const std::int64_t tb = b * attention_block_tokens;
+    const std::int64_t grp = tb / g.key_group;
+    fold(grp);
+    if (tb + attention_block_tokens < t1) fold((tb + attention_block_tokens) / g.key_group);
+    const float* qs = w.qs + (grp & 1) * heads * D;
+    const float* bias = w.bias + (grp & 1) * heads;
+    const auto* kb = src.view.key_block(kv_head, b);
+    float* out = w.scores + (tb - t0);
+    for (int h = 0; h < heads; h += 8)
+      dispatch<1, 2, 3, 4, 5, 6, 7, 8>(std::min(8, heads - h), [&]<int HC>() {
+        with_walk_hint([&]<int Hint>() {
+          float* o = out + h * attention_split_tokens;
+          if (lines <= 1)
+            score_code_block_avx512<HC, 1, Hint>(kb, D, qs + h * D, bias + h, o, walk);
+          else if (lines == 2)
+            score_code_block_avx512<HC, 2, Hint>(kb, D, qs + h * D, bias + h, o, walk);
+          else
+            score_code_block_avx512<HC, 4, Hint>(kb, D, qs + h * D, bias + h, o, walk);
+        });
+      });
+  }
+}
+
+/// Values of a code source over `pairs` token pairs from row `rows` (value codes
+/// [t][D] at channel c0), HC heads x NC chunks of 16 channels: even and odd
+/// tokens in their own sums, each in token order from 0, stored as even + odd
+/// (accumulate_values_portable, lane = channel). wr[h][k]: head h's weight row
+/// of chunk k's group at the first token.
+/// `walk` steps Lines lines per pair, into the cache level of Hint.
+template <int HC, int NC, int Lines, int Hint, class Code>
+LYNX_ATTENTION_AVX512_TARGET inline void add_value_codes_avx512(const Code* rows, int D,
+                                                                std::int64_t pairs,
+                                                                const float* const (*wr)[NC],
+                                                                float* out,
+                                                                prefetch_walk& walk_io) {
+  prefetch_walk walk = walk_io;  // a local copy: its cursor stays in registers
+  __m512 e[HC][NC], o[HC][NC];
+  for (int h = 0; h < HC; ++h)
+    for (int k = 0; k < NC; ++k) e[h][k] = o[h][k] = _mm512_setzero_ps();
+  for (std::int64_t i = 0; i < pairs; ++i) {
+    const Code* r0 = rows + 2 * i * D;
+    walk.step<Lines, Hint>();
+    __m512 ve[NC], vo[NC];
+    for (int k = 0; k < NC; ++k) {
+      ve[k] = load16_codes_avx512(r0 + 16 * k);
+      vo[k] = load16_codes_avx512(r0 + D + 16 * k);
+    }
+    for (int h = 0; h < HC; ++h)
+      for (int k = 0; k < NC; ++k) {
+        e[h][k] = _mm512_fmadd_ps(_mm512_set1_ps(wr[h][k][2 * i]), ve[k], e[h][k]);
+        o[h][k] = _mm512_fmadd_ps(_mm512_set1_ps(wr[h][k][2 * i + 1]), vo[k], o[h][k]);
+      }
+  }
+  for (int h = 0; h < HC; ++h)
+    for (int k = 0; k < NC; ++k)
+      _mm512_storeu_ps(out + h * D + 16 * k, _mm512_add_ps(e[h][k], o[h][k]));
+  walk_io = walk;
+}
+
+/// accumulate_values_avx512 of a code source: head_dim and the value group
+/// multiples of 16 (a chunk of 16 channels in one group), else the portable loop.
+/// The weights are in w.weights (compute_split).
+template <class View>
+LYNX_ATTENTION_AVX512_TARGET void accumulate_values_avx512(const code_kv_source<View>& src,
+                                                           std::int64_t kv_head, int heads,
+                                                           std::int64_t t0, std::int64_t t1,
+                                                           float* acc, const split_scratch& w,
+                                                           const next_split& next = {}) {
+  const layer_geometry& g = src.view.geometry;
+  const int D = static_cast<int>(g.head_dim);
+  const std::int64_t groups = g.value_channel_groups(), VG = g.value_group;
+  if (D % 16 != 0 || VG % 16 != 0) {
+    accumulate_values_portable(src, kv_head, heads, t0, t1, acc, w);
+    return;
+  }
+  // whole pairs: t0 is even (a multiple of the split size); a token past t1 weighs 0
+  // and its codes exist (value rows are padded to whole blocks)
+  const std::int64_t pairs = (t1 - t0 + 1) / 2;
+  const auto* rows = src.view.value_row(kv_head, t0);
+  prefetch_walk walk;  // the next split's keys, stepped by the passes below
+  src.walk_split(walk, true, next.kv_head, next.t0, next.t1);
+  const int lines = walk_step_lines(walk, pairs * ((heads + 3) / 4) * ((D + 31) / 32));
+  for (int h0 = 0; h0 < heads;) {
+    const int hc = heads - h0 >= 4 ? 4 : heads - h0 >= 2 ? 2 : 1;
+    dispatch<1, 2, 4>(hc, [&]<int HC>() {
+      for (int c0 = 0; c0 < D;) {
+        auto pass = [&]<int NC>() {
+          const float* wr[HC][NC];
+          for (int h = 0; h < HC; ++h)
+            for (int k = 0; k < NC; ++k)
+              wr[h][k] =
+                  w.weights + ((h0 + h) * groups + (c0 + 16 * k) / VG) * attention_split_tokens;
+          float* out = acc + h0 * D + c0;
+          with_walk_hint([&]<int Hint>() {
+            if (lines <= 1)
+              add_value_codes_avx512<HC, NC, 1, Hint>(rows + c0, D, pairs, wr, out, walk);
+            else if (lines == 2)
+              add_value_codes_avx512<HC, NC, 2, Hint>(rows + c0, D, pairs, wr, out, walk);
+            else
+              add_value_codes_avx512<HC, NC, 4, Hint>(rows + c0, D, pairs, wr, out, walk);
+          });
+          c0 += 16 * NC;
+        };
+        if (D - c0 >= 32)
+          pass.template operator()<2>();
+        else
+          pass.template operator()<1>();
+      }
+    });
+    h0 += hc;
+  }
+  add_value_offsets(w.offsets, heads, D, groups, VG, acc);
+}
+
 /// 16 consecutive channels of a dense row as floats.
 template <class T>
 LYNX_ATTENTION_AVX512_TARGET inline __m512 load16_avx512(const T* p) {
@@ -1563,6 +1880,10 @@ template <stream_plan_type Plan, int G>
 bool avx512_supports(const plane_kv_source<Plan, G>&) {
   return G % attention_block_tokens ==
          0;  // one key group per 32-token block; any head_dim and value group
+}
+template <class View>
+bool avx512_supports(const code_kv_source<View>& src) {
+  return src.view.geometry.key_group % attention_block_tokens == 0;  // one key group per block
 }
 template <class T>
 bool avx512_supports(const dense_kv_source<T>& src) {

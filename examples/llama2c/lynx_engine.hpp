@@ -3,6 +3,10 @@
 // bit-plane tensors at a precision level (never materialized), and over the
 // tokens decoded here it reads the engine's own fp32 tail. Satisfies
 // lynx::decode_engine, so a lynx::progressive_session can drive it.
+// Once every stream has landed, the layers can be merged into codes
+// (make_prompt_codes, on any thread) and handed to the engine (use_codes):
+// attention over the codes gives the same bits as over all planes, so the
+// switch can happen at any step without touching exactness.
 #pragma once
 
 #include <cstdint>
@@ -12,6 +16,7 @@
 #include <vector>
 
 #include "forward.hpp"
+#include "lynx/attention/code_tensor.hpp"
 #include "lynx/attention/decode_attention.hpp"
 #include "lynx/planes/codec.hpp"
 #include "lynx/planes/tensor.hpp"
@@ -33,6 +38,18 @@ prompt_tensors<Plan, G> make_prompt_tensors(const config& c, int prompt_tokens,
     t.emplace_back(lynx::kv_shape{prompt_tokens, c.n_kv_heads, c.head_size()},
                    static_cast<std::uint32_t>(l), generation);
   return t;
+}
+
+template <lynx::stream_plan_type Plan, int G = 32>
+using prompt_codes = std::vector<lynx::code_tensor<Plan, G>>;
+
+/// Every layer of a complete prompt merged into codes.
+template <lynx::stream_plan_type Plan, int G = 32>
+prompt_codes<Plan, G> make_prompt_codes(const prompt_tensors<Plan, G>& prompt, int threads = 1) {
+  prompt_codes<Plan, G> codes;
+  codes.reserve(prompt.size());
+  for (const auto& layer : prompt) codes.emplace_back(layer, threads);
+  return codes;
 }
 
 /// The prompt KV of a prefilled engine, encoded layer by layer (the prefill node's work).
@@ -58,13 +75,24 @@ class lynx_prompt_attention {
       : prompt_(prompt) {}
 
   int level = 1;  // precision level the prompt is read at
+  /// Codes of every layer, read instead of the planes at the full level (null: planes).
+  const prompt_codes<Plan, G>* codes = nullptr;
 
   void operator()(const kv_cache& cache, int layer, std::span<const float> q, int tail_visible,
                   std::span<float> out) {
     if (prompt_ == nullptr)
       throw std::logic_error("lynx_prompt_attention: no prompt tensors attached");
-    const auto& tensor = (*prompt_)[static_cast<std::size_t>(layer)];
-    const auto view = tensor.view_at(level);
+    if (codes != nullptr && level == Plan::streams)
+      attend((*codes)[static_cast<std::size_t>(layer)].view(), cache, layer, q, tail_visible, out);
+    else
+      attend((*prompt_)[static_cast<std::size_t>(layer)].view_at(level), cache, layer, q,
+             tail_visible, out);
+  }
+
+ private:
+  template <class View>
+  void attend(const View& view, const kv_cache& cache, int layer, std::span<const float> q,
+              int tail_visible, std::span<float> out) {
     const lynx::kv_shape tail_shape{cache.tail_length(), cache.n_kv_heads(), cache.head_dim()};
     const auto tail_keys =
         lynx::token_major<const float>(cache.tail_keys(layer).data(), tail_shape);
@@ -81,7 +109,6 @@ class lynx_prompt_attention {
                lynx::attention_output{out.data(), nullptr}, workspace_);
   }
 
- private:
   const prompt_tensors<Plan, G>* prompt_;
   lynx::decode_attention<> attention_{};
   lynx::attention_workspace workspace_{};
@@ -110,6 +137,15 @@ class lynx_decode_engine {
     inner_.attention().level = level;
     inner_.reserve(static_cast<int>(tokens.size()));
     inner_.decode(tokens, static_cast<int>(first_position), logits);
+  }
+  /// Reads `codes` (every layer, from make_prompt_codes) instead of the planes at the
+  /// full level from the next forward on; null: back to the planes.
+  void use_codes(const prompt_codes<Plan, G>* codes) {
+    if (codes != nullptr && codes->size() != static_cast<std::size_t>(inner_.cfg().n_layers))
+      throw std::invalid_argument("lynx_decode_engine: codes of " + std::to_string(codes->size()) +
+                                  " layers for a model of " +
+                                  std::to_string(inner_.cfg().n_layers));
+    inner_.attention().codes = codes;
   }
   [[nodiscard]] engine<lynx_prompt_attention<Plan, G>>& inner() { return inner_; }
 

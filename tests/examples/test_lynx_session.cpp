@@ -3,7 +3,8 @@
 // token for token, plain greedy decoding with all planes present, for the
 // plans 8 = 4 + 4, 8 = 2 + 2 + 4 and 16 = 4 + 12, whether the residual lands
 // before the first draft, mid-draft or after the draft limit; and 16 = 4 + 12
-// also equals decoding with the unquantized fp32 cache.
+// also equals decoding with the unquantized fp32 cache. An engine that switches
+// to the layers merged into codes (lynx::code_tensor) commits the same tokens.
 #include <doctest/doctest.h>
 
 #include <cstdint>
@@ -45,8 +46,9 @@ struct landing {
 
 template <class Plan>
 std::vector<int> plain_greedy(const ll::weights& w, const ll::prompt_tensors<Plan>& tensors,
-                              const prefilled& p) {
+                              const prefilled& p, const ll::prompt_codes<Plan>* codes = nullptr) {
   ll::lynx_decode_engine<Plan> e(w, tensors, static_cast<int>(p.prompt.size()));
+  e.use_codes(codes);
   std::vector<int> out{p.first_token};
   std::vector<float> row(static_cast<std::size_t>(w.cfg().vocab_size));
   while (static_cast<int>(out.size()) < committed_tokens) {
@@ -61,8 +63,10 @@ std::vector<int> plain_greedy(const ll::weights& w, const ll::prompt_tensors<Pla
 template <class Plan>
 std::vector<int> lynx_session(const ll::weights& w, const ll::prompt_tensors<Plan>& tensors,
                               const prefilled& p, const landing& land, int max_draft,
-                              lynx::session_stats& stats) {
+                              lynx::session_stats& stats,
+                              const ll::prompt_codes<Plan>* codes = nullptr) {
   ll::lynx_decode_engine<Plan> e(w, tensors, static_cast<int>(p.prompt.size()));
+  e.use_codes(codes);
   lynx::session_options o;
   o.max_draft = max_draft;
   o.max_new_tokens = committed_tokens;
@@ -113,6 +117,12 @@ void check_plan(const std::vector<landing>& landings,
       CHECK(lynx_session<Plan>(w, tensors, p, land, max_draft, stats) == want);
       ++sessions;
     }
+    // the exact phase on codes: plain greedy decoding, and a session that
+    // verifies and then decodes on them
+    const auto codes = ll::make_prompt_codes(tensors);
+    CHECK(plain_greedy<Plan>(w, tensors, p, &codes) == want);
+    lynx::session_stats ignored;
+    CHECK(lynx_session<Plan>(w, tensors, p, landings.back(), max_draft, ignored, &codes) == want);
   }
   MESSAGE(Plan::name() << ": " << sessions << " sessions exact; drafts " << stats.draft_tokens
                        << ", acceptance rate " << stats.acceptance_rate()

@@ -27,6 +27,7 @@
 #include <cstring>
 #include <string>
 #include <type_traits>
+#include <utility>
 
 #include "lynx/backend/host/attention_kernels.hpp"
 #include "lynx/backend/host/parallel.hpp"
@@ -88,21 +89,39 @@ class code_tensor {
   code_tensor() = default;
 
   /// Merges every plane of a complete layer; `threads` <= 0: all hardware threads.
-  explicit code_tensor(const bitplane_view<Plan, G, host_space>& v, int threads = 1)
-      : geometry_(v.geometry), layer_(v.layer) {
+  explicit code_tensor(const bitplane_view<Plan, G, host_space>& v, int threads = 1) {
+    assign(v, threads);
+  }
+  /// Merges a complete tensor.
+  explicit code_tensor(const bitplane_tensor<Plan, G, host_space>& t, int threads = 1) {
+    assign(t.view(), threads);
+  }
+
+  /// Merges another complete layer into this tensor, reusing its buffers when
+  /// they are large enough (a slot kept per layer allocates once: fresh pages
+  /// cost a first touch that can outweigh the merge). A layer that is not
+  /// complete is rejected before anything changes.
+  void assign(const bitplane_view<Plan, G, host_space>& v, int threads = 1) {
     if (!(v.level == Plan::streams))
       detail::fail(errc::invalid_argument,
                    "code_tensor: layer " + std::to_string(v.layer) + " has " +
                        std::to_string(v.level) + " of " + std::to_string(Plan::streams) +
                        " streams; codes are made from every plane (merge once the last stream "
                        "has landed)");
-    const layer_geometry& g = geometry_;
+    const layer_geometry& g = v.geometry;
     const std::int64_t D = g.head_dim, blocks = g.blocks();
     const std::size_t codes = static_cast<std::size_t>(g.kv_heads * blocks * tokens_per_word * D);
-    params_ = aligned_buffer(static_cast<std::size_t>(g.params_bytes()));
-    std::memcpy(params_.data(), v.payload[0], params_.size());
-    keys_ = aligned_buffer(codes * sizeof(code_type));
-    values_ = aligned_buffer(codes * sizeof(code_type));
+    const std::size_t params = static_cast<std::size_t>(g.params_bytes());
+    if (params_.size() < params || keys_.size() < codes * sizeof(code_type)) {
+      aligned_buffer p(std::max(params, params_.size())), k(codes * sizeof(code_type)),
+          w(codes * sizeof(code_type));
+      params_ = std::move(p);
+      keys_ = std::move(k);
+      values_ = std::move(w);
+    }
+    geometry_ = g;
+    layer_ = v.layer;
+    std::memcpy(params_.data(), v.payload[0], params);
     const detail::plane_kv_source<Plan, G> src{v, Plan::bits};
     code_type* kc = reinterpret_cast<code_type*>(keys_.data());
     code_type* vc = reinterpret_cast<code_type*>(values_.data());
@@ -140,9 +159,9 @@ class code_tensor {
       }
     });
   }
-  /// Merges a complete tensor.
-  explicit code_tensor(const bitplane_tensor<Plan, G, host_space>& t, int threads = 1)
-      : code_tensor(t.view(), threads) {}
+  void assign(const bitplane_tensor<Plan, G, host_space>& t, int threads = 1) {
+    assign(t.view(), threads);
+  }
 
   [[nodiscard]] view_type view() const {
     view_type v;
@@ -155,7 +174,7 @@ class code_tensor {
   }
   [[nodiscard]] const layer_geometry& geometry() const noexcept { return geometry_; }
   [[nodiscard]] std::uint32_t layer() const noexcept { return layer_; }
-  /// Bytes held: parameters and codes.
+  /// Bytes held: parameters and codes (at least what the current layer needs).
   [[nodiscard]] std::size_t bytes() const noexcept {
     return params_.size() + keys_.size() + values_.size();
   }

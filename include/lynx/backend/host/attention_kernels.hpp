@@ -891,6 +891,54 @@ LYNX_ATTENTION_GFNI_INLINE void decode_chunk_gfni(const std::uint32_t* const* ro
     }
 }
 
+/// Codes of 16 channels x 32 tokens, rows[i] = channel i (16-bit codes, lane =
+/// token), stored token-major: out[t * D + i] for i < cn. Three unpack levels
+/// leave in 128-bit lane L of x[n][s] channels 8n..8n+7 of token 8L + s; a
+/// two-source permute pairs the channel halves of a token, one 256-bit store each.
+template <class Code>
+LYNX_ATTENTION_GFNI_INLINE void store_transposed_16x32(const __m512i r[16], int cn, std::int64_t D,
+                                                       Code* out) {
+  __m512i a[8], b[8], c[4], d[4], e[4], f[4], x[2][8];
+  for (int j = 0; j < 8; ++j) {
+    a[j] = _mm512_unpacklo_epi16(r[2 * j], r[2 * j + 1]);  // lane L: tokens 8L..8L+3
+    b[j] = _mm512_unpackhi_epi16(r[2 * j], r[2 * j + 1]);  // tokens 8L+4..8L+7
+  }
+  for (int m = 0; m < 4; ++m) {
+    c[m] = _mm512_unpacklo_epi32(a[2 * m], a[2 * m + 1]);  // qword q: token 8L+q
+    d[m] = _mm512_unpackhi_epi32(a[2 * m], a[2 * m + 1]);  // 8L+2+q
+    e[m] = _mm512_unpacklo_epi32(b[2 * m], b[2 * m + 1]);  // 8L+4+q
+    f[m] = _mm512_unpackhi_epi32(b[2 * m], b[2 * m + 1]);  // 8L+6+q
+  }
+  for (int n = 0; n < 2; ++n) {
+    x[n][0] = _mm512_unpacklo_epi64(c[2 * n], c[2 * n + 1]);
+    x[n][1] = _mm512_unpackhi_epi64(c[2 * n], c[2 * n + 1]);
+    x[n][2] = _mm512_unpacklo_epi64(d[2 * n], d[2 * n + 1]);
+    x[n][3] = _mm512_unpackhi_epi64(d[2 * n], d[2 * n + 1]);
+    x[n][4] = _mm512_unpacklo_epi64(e[2 * n], e[2 * n + 1]);
+    x[n][5] = _mm512_unpackhi_epi64(e[2 * n], e[2 * n + 1]);
+    x[n][6] = _mm512_unpacklo_epi64(f[2 * n], f[2 * n + 1]);
+    x[n][7] = _mm512_unpackhi_epi64(f[2 * n], f[2 * n + 1]);
+  }
+  // [x0 lane 0, x1 lane 0, x0 lane 1, x1 lane 1] and the same for lanes 2, 3
+  const __m512i lanes01 = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11);
+  const __m512i lanes23 = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
+  const __mmask16 live =
+      cn >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << cn) - 1u);
+  for (int s = 0; s < 8; ++s) {
+    const __m512i p01 = _mm512_permutex2var_epi64(x[0][s], lanes01, x[1][s]);
+    const __m512i p23 = _mm512_permutex2var_epi64(x[0][s], lanes23, x[1][s]);
+    const __m256i tok[4] = {_mm512_castsi512_si256(p01), _mm512_extracti64x4_epi64(p01, 1),
+                            _mm512_castsi512_si256(p23), _mm512_extracti64x4_epi64(p23, 1)};
+    for (int L = 0; L < 4; ++L) {  // token 8L + s
+      Code* o = out + (8 * L + s) * D;
+      if constexpr (sizeof(Code) == 1)
+        _mm_mask_storeu_epi8(o, live, _mm256_cvtepi16_epi8(tok[L]));
+      else
+        _mm256_mask_storeu_epi16(o, live, tok[L]);
+    }
+  }
+}
+
 /// The codes of one 32-token block of Bits planes (all of them) as integers, for
 /// code_tensor: out[c][32] (lane = token, Transposed false) or out[t][D]
 /// (Transposed true). Padding tokens decode as 0 (their plane bits are 0).
@@ -901,31 +949,35 @@ LYNX_ATTENTION_GFNI_TARGET void block_codes_gfni(const std::uint32_t* const* row
   constexpr int shift = (Two ? 16 : 8) - Bits;  // the decoder gives code << shift
   __m512i zext[4];
   token_byte_zext_gfni(zext);
-  alignas(64) Code tile[16][32];
   struct store {
-    Code* dst;  // [16][32]: channel c0 + i at row i
+    Code* dst;      // [c][32] (not transposed)
+    __m512i* regs;  // [16]: channel i's 32 codes as 16-bit lanes (transposed)
     LYNX_ATTENTION_GFNI_INLINE void operator()(int i, const __m512* k) const {
-      for (int s = 0; s < 2; ++s) {
-        const __m512i v = _mm512_srli_epi32(_mm512_cvttps_epi32(k[s]), shift);
-        if constexpr (sizeof(Code) == 1)
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i * 32 + 16 * s),
-                           _mm512_cvtepi32_epi8(v));
-        else
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i * 32 + 16 * s),
-                              _mm512_cvtepi32_epi16(v));
+      const __m512i lo = _mm512_srli_epi32(_mm512_cvttps_epi32(k[0]), shift),
+                    hi = _mm512_srli_epi32(_mm512_cvttps_epi32(k[1]), shift);
+      if constexpr (Transposed) {
+        regs[i] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi32_epi16(lo)),
+                                     _mm512_cvtepi32_epi16(hi), 1);
+      } else if constexpr (sizeof(Code) == 1) {
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i * 32), _mm512_cvtepi32_epi8(lo));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i * 32 + 16), _mm512_cvtepi32_epi8(hi));
+      } else {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i * 32), _mm512_cvtepi32_epi16(lo));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i * 32 + 16),
+                            _mm512_cvtepi32_epi16(hi));
       }
     }
   };
+  __m512i regs[16];
+  for (int i = 0; i < 16; ++i) regs[i] = _mm512_setzero_si512();
   for (int c0 = 0; c0 < D; c0 += 16) {
     const int cn = D - c0 < 16 ? D - c0 : 16;
-    Code* dst = Transposed ? &tile[0][0] : out + c0 * 32;
+    const store st{out + c0 * 32, regs};
     if (cn == 16)
-      decode_chunk_gfni<Two>(rows, Bits, c0, 16, zext, store{dst});
+      decode_chunk_gfni<Two>(rows, Bits, c0, 16, zext, st);
     else
-      decode_chunk_gfni<Two>(rows, Bits, c0, cn, zext, store{dst});
-    if constexpr (Transposed)
-      for (int t = 0; t < 32; ++t)
-        for (int i = 0; i < cn; ++i) out[t * D + c0 + i] = tile[i][t];
+      decode_chunk_gfni<Two>(rows, Bits, c0, cn, zext, st);
+    if constexpr (Transposed) store_transposed_16x32(regs, cn, D, out + c0);
   }
 }
 
@@ -1363,10 +1415,15 @@ LYNX_ATTENTION_AVX512_TARGET inline void score_code_block_avx512(const Code* kb,
                                                                  float* out,
                                                                  prefetch_walk& walk_io) {
   prefetch_walk walk = walk_io;  // a local copy: its cursor stays in registers
+  // the next block's codes into L1 (from L2, where the previous split's value
+  // pass asked for them), one line per channel step
+  const char* next = reinterpret_cast<const char*>(kb + D * 32);
+  const int next_lines = D * 32 * static_cast<int>(sizeof(Code)) / 64;
   __m512 a[HC][2];
   for (int h = 0; h < HC; ++h) a[h][0] = a[h][1] = _mm512_setzero_ps();
   for (int c = 0; c < D; ++c) {
     walk.step<Lines, Hint>();
+    if (c < next_lines) _mm_prefetch(next + 64 * c, _MM_HINT_T0);
     const __m512 k0 = load16_codes_avx512(kb + c * 32), k1 = load16_codes_avx512(kb + c * 32 + 16);
     for (int h = 0; h < HC; ++h) {
       const __m512 qv = _mm512_set1_ps(qs[h * D + c]);
@@ -1451,6 +1508,9 @@ LYNX_ATTENTION_AVX512_TARGET inline void add_value_codes_avx512(const Code* rows
   for (std::int64_t i = 0; i < pairs; ++i) {
     const Code* r0 = rows + 2 * i * D;
     walk.step<Lines, Hint>();
+    // this pass's lines of the rows 16 pairs ahead into L1 (from L2: the scores' walk)
+    _mm_prefetch(reinterpret_cast<const char*>(r0 + 32 * D), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(r0 + 33 * D), _MM_HINT_T0);
     __m512 ve[NC], vo[NC];
     for (int k = 0; k < NC; ++k) {
       ve[k] = load16_codes_avx512(r0 + 16 * k);

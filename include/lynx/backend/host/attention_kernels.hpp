@@ -1226,6 +1226,28 @@ LYNX_ATTENTION_AVX512_TARGET inline void score_block_avx512(const float* tile, i
   }
 }
 
+/// The folded queries (fold_queries_avx512) of a kv head's key groups, two at a
+/// time in slots grp & 1 of w.qs and w.bias: the next group's is folded before
+/// the current block is scored, so its stores have reached L1 when the block's
+/// broadcasts read them.
+struct key_group_folds {
+  const float* q;
+  int heads, D;
+  float unit, half;
+  const float *scale, *zero;  // the layer's key parameters
+  std::int64_t first_group;   // kv_head * key_token_groups
+  const split_scratch& w;
+  std::int64_t folded[2] = {-1, -1};
+  LYNX_ATTENTION_AVX512_TARGET void operator()(std::int64_t grp) {
+    const int slot = static_cast<int>(grp & 1);
+    if (folded[slot] == grp) return;
+    const std::int64_t base = (first_group + grp) * D;
+    fold_queries_avx512(q, heads, scale + base, zero + base, D, unit, half, w.qs + slot * heads * D,
+                        w.bias + slot * heads);
+    folded[slot] = grp;
+  }
+};
+
 template <stream_plan_type Plan, int G>
 LYNX_ATTENTION_AVX512_TARGET void score_tokens_avx512(const plane_kv_source<Plan, G>& src,
                                                       std::int64_t kv_head, const float* q,
@@ -1241,17 +1263,15 @@ LYNX_ATTENTION_AVX512_TARGET void score_tokens_avx512(const plane_kv_source<Plan
   const int shift = gfni ? decoded_bits(src.planes) - src.planes : 0;
   const float unit = std::ldexp(src.level_unit(), -shift), half = src.half();
   const std::uint32_t* rows[16];
-  // Two folded queries: the next key group's is folded before this block is
-  // scored, so its stores have reached L1 when the block's broadcasts read it.
-  std::int64_t folded[2] = {-1, -1};
-  auto fold = [&](std::int64_t grp) {
-    const int slot = static_cast<int>(grp & 1);
-    if (folded[slot] == grp) return;
-    const std::int64_t base = (kv_head * g.key_token_groups() + grp) * D;
-    fold_queries_avx512(q, heads, src.view.key_scale() + base, src.view.key_zero() + base, D, unit,
-                        half, w.qs + slot * heads * D, w.bias + slot * heads);
-    folded[slot] = grp;
-  };
+  key_group_folds fold{q,
+                       heads,
+                       D,
+                       unit,
+                       half,
+                       src.view.key_scale(),
+                       src.view.key_zero(),
+                       kv_head * g.key_token_groups(),
+                       w};
   // The GFNI path asks for this split's values (walked after the scores) while
   // it scores (see score_block_fused_gfni); accumulate_values_avx512 then asks
   // for the next split's keys. The other path asks L2 for both in slices.
@@ -1448,16 +1468,15 @@ LYNX_ATTENTION_AVX512_TARGET void score_tokens_avx512(const code_kv_source<View>
                                                       const next_split& = {}) {
   const layer_geometry& g = src.view.geometry;
   const int D = static_cast<int>(g.head_dim);
-  const float unit = src.level_unit(), half = src.half();
-  std::int64_t folded[2] = {-1, -1};
-  auto fold = [&](std::int64_t grp) {
-    const int slot = static_cast<int>(grp & 1);
-    if (folded[slot] == grp) return;
-    const std::int64_t base = (kv_head * g.key_token_groups() + grp) * D;
-    fold_queries_avx512(q, heads, src.view.key_scale() + base, src.view.key_zero() + base, D, unit,
-                        half, w.qs + slot * heads * D, w.bias + slot * heads);
-    folded[slot] = grp;
-  };
+  key_group_folds fold{q,
+                       heads,
+                       D,
+                       src.level_unit(),
+                       src.half(),
+                       src.view.key_scale(),
+                       src.view.key_zero(),
+                       kv_head * g.key_token_groups(),
+                       w};
   // this split's values (walked after the scores) are asked for while it scores;
   // accumulate_values_avx512 then asks for the next split's keys
   prefetch_walk walk;

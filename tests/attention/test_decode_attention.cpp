@@ -382,6 +382,36 @@ TEST_CASE_TEMPLATE("a complete layer merged into codes: the bits of attention ov
   codes_case<Plan>(131, 1, 12, 64, 2, 2);     // 12 heads: score passes of 8 and 4
 }
 
+TEST_CASE("a code_tensor kept per layer slot: each assign gives the codes of a fresh one") {
+  using plan = lynx::plan_16_4_12;
+  const lynx::kv_shape big{1100, 2, 64}, small{37, 3, 16};
+  const auto t_big = make_tensor<plan>(make_kv(1100, 2, 64, 81, true),
+                                       make_kv(1100, 2, 64, 82, false), big, plan::streams);
+  const auto t_small = make_tensor<plan>(make_kv(37, 3, 16, 83, true),
+                                         make_kv(37, 3, 16, 84, false), small, plan::streams);
+  auto same_codes = [](const lynx::code_tensor<plan>& a, const lynx::code_tensor<plan>& b) {
+    const auto va = a.view(), vb = b.view();
+    const lynx::layer_geometry& g = va.geometry;
+    const std::size_t codes = static_cast<std::size_t>(g.kv_heads * g.blocks() * 32 * g.head_dim);
+    return va.geometry == vb.geometry && va.layer == vb.layer &&
+           std::memcmp(va.params, vb.params, static_cast<std::size_t>(g.params_bytes())) == 0 &&
+           std::memcmp(va.key_codes, vb.key_codes, codes * 2) == 0 &&
+           std::memcmp(va.value_codes, vb.value_codes, codes * 2) == 0;
+  };
+  lynx::code_tensor<plan> slot(t_big);
+  const std::size_t held = slot.bytes();
+  slot.assign(t_small, 2);  // smaller: the buffers are kept
+  CHECK(slot.bytes() == held);
+  CHECK(same_codes(slot, lynx::code_tensor<plan>(t_small)));
+  slot.assign(t_big);
+  CHECK(same_codes(slot, lynx::code_tensor<plan>(t_big)));
+  // an incomplete layer leaves the slot as it was
+  const auto partial =
+      make_tensor<plan>(make_kv(37, 3, 16, 83, true), make_kv(37, 3, 16, 84, false), small, 1);
+  CHECK_THROWS_AS(slot.assign(partial), lynx::error);
+  CHECK(same_codes(slot, lynx::code_tensor<plan>(t_big)));
+}
+
 TEST_CASE("codes are made from a complete layer only") {
   const lynx::kv_shape shape{40, 1, 16};
   const auto k = make_kv(40, 1, 16, 71, true), v = make_kv(40, 1, 16, 72, false);

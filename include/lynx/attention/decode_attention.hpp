@@ -1,7 +1,9 @@
 // Decode attention over a partly arrived KV cache: queries of consecutive
 // positions attend to a prompt (a bit-plane tensor at its current precision
-// level, reconstructed inside the dot products; or a dense bf16/float cache,
-// the 16-bit baseline; or nothing) followed by a local full-precision tail.
+// level, reconstructed inside the dot products; a complete layer merged into
+// codes, lynx::code_view, with the same bits as all its planes; or a dense
+// bf16/float cache, the 16-bit baseline; or nothing) followed by a local
+// full-precision tail.
 //
 //   queries  [n_queries][q_heads][head_dim] float, positions prompt_tokens + tail_visible(i) - 1
 //   output   [n_queries][q_heads][head_dim] float;  lse [n_queries][q_heads] (natural log,

@@ -6,7 +6,8 @@
 // Two paths, chosen at run time: a portable one (plain loops) and an AVX-512
 // one (function-level target attributes, used when the CPU has AVX-512F/BW).
 // Both evaluate the same operations in the same order, lane by lane:
-//  - bit-plane keys: lane = token; score = (0 + sum_c qs[c] * code[c] in channel order) + bias;
+//  - bit-plane keys (and stored codes): lane = token; score = (0 + sum_c qs[c] * code[c] in
+//    channel order) + bias;
 //  - bit-plane values and dense values: lane = channel; acc = 0, acc += w[t] * v[t] in token
 //    order (bit-plane values then add the offset);
 //  - dense keys: 16 channel lanes summed in channel order, then a halving tree;

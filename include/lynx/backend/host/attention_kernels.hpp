@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 
 #include "lynx/attention/tile_math.hpp"
 #include "lynx/backend/host/prefetch.hpp"
@@ -1206,14 +1207,43 @@ LYNX_ATTENTION_GFNI_TARGET void add_values_pairs_gfni(
 
 /// scores of up to 4 heads against one decoded key block: s = bias + sum_c qs[c] * code[c], channel
 /// order.
-template <int HC>
-LYNX_ATTENTION_AVX512_TARGET inline void score_block_avx512(const float* tile, int D,
-                                                            const float* qs, const float* bias,
-                                                            float* out) {
+/// 16 consecutive codes as floats (exact: codes are below 2^16), or 16 floats.
+template <class Code>
+LYNX_ATTENTION_AVX512_TARGET __attribute__((always_inline)) inline __m512 load16_codes_avx512(
+    const Code* p) {
+  if constexpr (std::is_same_v<Code, float>)
+    return _mm512_loadu_ps(p);
+  else if constexpr (sizeof(Code) == 1)
+    return _mm512_cvtepi32_ps(
+        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  else
+    return _mm512_cvtepi32_ps(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+}
+
+/// Scores of HC heads against one block of key codes kb[c][32] (lane = token;
+/// stored codes, or floats of codes decoded into a tile): each head's two token
+/// halves accumulate in channel order from 0, then the bias is added.
+/// Lines > 0: `walk` steps Lines lines per channel, into the cache level of
+/// Hint, and the next block's codes are asked into L1.
+template <int HC, int Lines, int Hint, class Code>
+LYNX_ATTENTION_AVX512_TARGET inline void score_code_block_avx512(const Code* kb, int D,
+                                                                 const float* qs, const float* bias,
+                                                                 float* out,
+                                                                 prefetch_walk& walk_io) {
+  prefetch_walk walk = walk_io;  // a local copy: its cursor stays in registers
+  // the next block's codes into L1 (from L2, where the previous split's value
+  // pass asked for them), one line per channel step
+  const char* next = reinterpret_cast<const char*>(kb + D * 32);
+  const int next_lines = D * 32 * static_cast<int>(sizeof(Code)) / 64;
   __m512 a[HC][2];
   for (int h = 0; h < HC; ++h) a[h][0] = a[h][1] = _mm512_setzero_ps();
   for (int c = 0; c < D; ++c) {
-    const __m512 k0 = _mm512_load_ps(tile + c * 32), k1 = _mm512_load_ps(tile + c * 32 + 16);
+    if constexpr (Lines > 0) {
+      walk.step<Lines, Hint>();
+      if (c < next_lines) _mm_prefetch(next + 64 * c, _MM_HINT_T0);
+    }
+    const __m512 k0 = load16_codes_avx512(kb + c * 32), k1 = load16_codes_avx512(kb + c * 32 + 16);
     for (int h = 0; h < HC; ++h) {
       const __m512 qv = _mm512_set1_ps(qs[h * D + c]);
       a[h][0] = _mm512_fmadd_ps(qv, k0, a[h][0]);
@@ -1225,6 +1255,16 @@ LYNX_ATTENTION_AVX512_TARGET inline void score_block_avx512(const float* tile, i
     _mm512_storeu_ps(out + h * attention_split_tokens, _mm512_add_ps(a[h][0], b));
     _mm512_storeu_ps(out + h * attention_split_tokens + 16, _mm512_add_ps(a[h][1], b));
   }
+  walk_io = walk;
+}
+
+/// Scores of HC heads against a block decoded into tile[c][32] (floats).
+template <int HC>
+LYNX_ATTENTION_AVX512_TARGET inline void score_block_avx512(const float* tile, int D,
+                                                            const float* qs, const float* bias,
+                                                            float* out) {
+  prefetch_walk none;
+  score_code_block_avx512<HC, 0, 3>(tile, D, qs, bias, out, none);
 }
 
 /// The folded queries (fold_queries_avx512) of a kv head's key groups, two at a
@@ -1414,50 +1454,6 @@ LYNX_ATTENTION_AVX512_TARGET void accumulate_values_avx512(const plane_kv_source
     h0 += hc;
   }
   add_value_offsets(w.offsets, heads, D, groups, VG, acc);
-}
-
-/// 16 consecutive codes as floats (exact: codes are below 2^16).
-template <class Code>
-LYNX_ATTENTION_AVX512_TARGET __attribute__((always_inline)) inline __m512 load16_codes_avx512(
-    const Code* p) {
-  if constexpr (sizeof(Code) == 1)
-    return _mm512_cvtepi32_ps(
-        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-  else
-    return _mm512_cvtepi32_ps(
-        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
-}
-
-/// score_block_avx512 on stored key codes kb[c][32]: the same operations.
-/// `walk` steps Lines lines per channel, into the cache level of Hint.
-template <int HC, int Lines, int Hint, class Code>
-LYNX_ATTENTION_AVX512_TARGET inline void score_code_block_avx512(const Code* kb, int D,
-                                                                 const float* qs, const float* bias,
-                                                                 float* out,
-                                                                 prefetch_walk& walk_io) {
-  prefetch_walk walk = walk_io;  // a local copy: its cursor stays in registers
-  // the next block's codes into L1 (from L2, where the previous split's value
-  // pass asked for them), one line per channel step
-  const char* next = reinterpret_cast<const char*>(kb + D * 32);
-  const int next_lines = D * 32 * static_cast<int>(sizeof(Code)) / 64;
-  __m512 a[HC][2];
-  for (int h = 0; h < HC; ++h) a[h][0] = a[h][1] = _mm512_setzero_ps();
-  for (int c = 0; c < D; ++c) {
-    walk.step<Lines, Hint>();
-    if (c < next_lines) _mm_prefetch(next + 64 * c, _MM_HINT_T0);
-    const __m512 k0 = load16_codes_avx512(kb + c * 32), k1 = load16_codes_avx512(kb + c * 32 + 16);
-    for (int h = 0; h < HC; ++h) {
-      const __m512 qv = _mm512_set1_ps(qs[h * D + c]);
-      a[h][0] = _mm512_fmadd_ps(qv, k0, a[h][0]);
-      a[h][1] = _mm512_fmadd_ps(qv, k1, a[h][1]);
-    }
-  }
-  for (int h = 0; h < HC; ++h) {
-    const __m512 b = _mm512_set1_ps(bias[h]);
-    _mm512_storeu_ps(out + h * attention_split_tokens, _mm512_add_ps(a[h][0], b));
-    _mm512_storeu_ps(out + h * attention_split_tokens + 16, _mm512_add_ps(a[h][1], b));
-  }
-  walk_io = walk;
 }
 
 /// score_tokens_avx512 of a code source (G % 32 == 0: one key group per block).

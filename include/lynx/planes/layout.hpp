@@ -107,6 +107,20 @@ struct layer_geometry {
                                                             std::int64_t channel) const {
     return (head * tokens + token) * value_channel_groups() + channel / value_group;
   }
+  /// Indices [first, end) of the key parameters that kv head h's tokens [t0, t1) use (t0 < t1).
+  struct index_range {
+    std::int64_t first, end;
+  };
+  LYNX_HOST_DEVICE constexpr index_range key_params_of(std::int64_t h, std::int64_t t0,
+                                                       std::int64_t t1) const {
+    return {(h * key_token_groups() + t0 / key_group) * head_dim,
+            (h * key_token_groups() + (t1 - 1) / key_group + 1) * head_dim};
+  }
+  /// Indices [first, end) of the value parameters of kv head h's tokens [t0, t1).
+  LYNX_HOST_DEVICE constexpr index_range value_params_of(std::int64_t h, std::int64_t t0,
+                                                         std::int64_t t1) const {
+    return {(h * tokens + t0) * value_channel_groups(), (h * tokens + t1) * value_channel_groups()};
+  }
   LYNX_HOST_DEVICE constexpr kv_shape shape() const { return {tokens, kv_heads, head_dim}; }
 
   friend constexpr bool operator==(const layer_geometry&, const layer_geometry&) = default;

@@ -67,17 +67,11 @@ struct bitplane_view {
                       F&& f) const {
     if (t1 <= t0) return;
     const layer_geometry& g = geometry;
-    if (keys) {
-      const std::int64_t k0 = (h * g.key_token_groups() + t0 / g.key_group) * g.head_dim,
-                         k1 = (h * g.key_token_groups() + (t1 - 1) / g.key_group + 1) * g.head_dim;
-      f(static_cast<const void*>(key_scale() + k0), (k1 - k0) * 4);
-      f(static_cast<const void*>(key_zero() + k0), (k1 - k0) * 4);
-    } else {
-      const std::int64_t groups = g.value_channel_groups();
-      const std::int64_t v0 = (h * g.tokens + t0) * groups, v1 = (h * g.tokens + t1) * groups;
-      f(static_cast<const void*>(value_scale() + v0), (v1 - v0) * 4);
-      f(static_cast<const void*>(value_zero() + v0), (v1 - v0) * 4);
-    }
+    const auto p = keys ? g.key_params_of(h, t0, t1) : g.value_params_of(h, t0, t1);
+    f(static_cast<const void*>((keys ? key_scale() : value_scale()) + p.first),
+      (p.end - p.first) * 4);
+    f(static_cast<const void*>((keys ? key_zero() : value_zero()) + p.first),
+      (p.end - p.first) * 4);
     const std::int64_t b0 = t0 / tokens_per_word, b1 = (t1 + tokens_per_word - 1) / tokens_per_word;
     int j = 0;
     for (int st = 0; j < planes; ++st) {  // blocks of a kv head are consecutive in each stream

@@ -133,8 +133,6 @@ struct code_kv_source {
   View view;
   int planes = View::plan::bits;
   using code_type = typename View::code_type;
-  [[nodiscard]] std::int64_t tokens() const { return view.geometry.tokens; }
-  [[nodiscard]] int head_dim() const { return static_cast<int>(view.geometry.head_dim); }
   [[nodiscard]] float level_unit() const {
     return static_cast<float>(1u << (View::plan::bits - planes));
   }
@@ -148,19 +146,13 @@ struct code_kv_source {
     const std::int64_t b0 = t0 / attention_block_tokens,
                        b1 = (t1 + attention_block_tokens - 1) / attention_block_tokens;
     constexpr std::int64_t code_bytes = sizeof(code_type);
-    if (keys) {
-      const std::int64_t k0 = (h * g.key_token_groups() + t0 / g.key_group) * g.head_dim,
-                         k1 = (h * g.key_token_groups() + (t1 - 1) / g.key_group + 1) * g.head_dim;
-      walk.add(view.key_scale() + k0, (k1 - k0) * 4);
-      walk.add(view.key_zero() + k0, (k1 - k0) * 4);
+    const auto p = keys ? g.key_params_of(h, t0, t1) : g.value_params_of(h, t0, t1);
+    walk.add((keys ? view.key_scale() : view.value_scale()) + p.first, (p.end - p.first) * 4);
+    walk.add((keys ? view.key_zero() : view.value_zero()) + p.first, (p.end - p.first) * 4);
+    if (keys)
       walk.add(view.key_block(h, b0), (b1 - b0) * g.head_dim * attention_block_tokens * code_bytes);
-    } else {
-      const std::int64_t groups = g.value_channel_groups();
-      const std::int64_t v0 = (h * g.tokens + t0) * groups, v1 = (h * g.tokens + t1) * groups;
-      walk.add(view.value_scale() + v0, (v1 - v0) * 4);
-      walk.add(view.value_zero() + v0, (v1 - v0) * 4);
+    else
       walk.add(view.value_row(h, t0), (b1 * attention_block_tokens - t0) * g.head_dim * code_bytes);
-    }
   }
 };
 
@@ -246,29 +238,47 @@ inline void add_value_offsets(const float* offsets, int heads, std::int64_t D, s
     }
 }
 
+/// fold_query_into_key_group for `heads` queries q[h][D] against key group grp
+/// of kv head h (a plane or code source): w.qs[h][D] and w.bias[h].
+template <class Source>
+void fold_queries_portable(const Source& src, std::int64_t kv_head, std::int64_t grp,
+                           const float* q, int heads, const split_scratch& w) {
+  const layer_geometry& g = src.view.geometry;
+  const int D = static_cast<int>(g.head_dim);
+  const std::int64_t base = (kv_head * g.key_token_groups() + grp) * D;
+  for (int h = 0; h < heads; ++h)
+    w.bias[h] = fold_query_into_key_group(q + h * D, src.view.key_scale() + base,
+                                          src.view.key_zero() + base, D, src.level_unit(),
+                                          src.half(), w.qs + h * D);
+}
+
+/// One value token of the portable value sums: sums[h][c] += weight[h][grp(c)] *
+/// code_of(c) in channel order; wt: the token's weights (w.weights + t - t0).
+template <class CodeOf>
+void add_value_token_portable(float* sums, int heads, int D, std::int64_t groups, std::int64_t VG,
+                              const float* wt, CodeOf&& code_of) {
+  for (int c = 0; c < D; ++c) {
+    const float code = static_cast<float>(code_of(c));
+    for (int h = 0; h < heads; ++h)
+      sums[h * D + c] = detail::fused_multiply_add(
+          wt[(h * groups + c / VG) * attention_split_tokens], code, sums[h * D + c]);
+  }
+}
+
 /// Logits of tokens [t0, t1) of a bit-plane prompt: scores[h][t - t0].
 template <stream_plan_type Plan, int G>
 void score_tokens_portable(const plane_kv_source<Plan, G>& src, std::int64_t kv_head,
                            const float* q, int heads, std::int64_t t0, std::int64_t t1,
                            const split_scratch& w) {
-  const layer_geometry& g = src.view.geometry;
-  const int D = static_cast<int>(g.head_dim);
-  const float unit = src.level_unit(), half = src.half();
+  const int D = static_cast<int>(src.view.geometry.head_dim);
   const std::uint32_t* rows[16];
   std::int64_t folded_group = -1;
   for (std::int64_t b = t0 / attention_block_tokens; b * attention_block_tokens < t1; ++b) {
     src.block_rows(true, kv_head, b, rows);
     const std::int64_t tb = b * attention_block_tokens;
     for (std::int64_t t = std::max(tb, t0); t < std::min(tb + attention_block_tokens, t1); ++t) {
-      const std::int64_t grp = t / G;
-      if (grp != folded_group) {
-        const std::int64_t base = (kv_head * g.key_token_groups() + grp) * D;
-        for (int h = 0; h < heads; ++h)
-          w.bias[h] =
-              fold_query_into_key_group(q + h * D, src.view.key_scale() + base,
-                                        src.view.key_zero() + base, D, unit, half, w.qs + h * D);
-        folded_group = grp;
-      }
+      if (t / G != folded_group)
+        fold_queries_portable(src, kv_head, folded_group = t / G, q, heads, w);
       for (int h = 0; h < heads; ++h)
         w.scores[h * attention_split_tokens + (t - t0)] =
             key_token_score(w.qs + h * D, w.bias[h], rows, src.planes, D, static_cast<int>(t - tb));
@@ -329,17 +339,13 @@ void accumulate_values_portable(const plane_kv_source<Plan, G>& src, std::int64_
     src.block_rows(false, kv_head, b, rows);
     const std::int64_t tb = b * attention_block_tokens;
     for (std::int64_t t = std::max(tb, t0); t < std::min(tb + attention_block_tokens, t1); ++t) {
-      float* sums = t % 2 == 0 ? acc : odd;
-      for (int c = 0; c < D; ++c) {
-        std::uint32_t k = 0;
-        for (int j = 0; j < src.planes; ++j)
-          k = (k << 1) | token_bit(rows[j][c], static_cast<int>(t - tb));
-        const float code = static_cast<float>(k);
-        for (int h = 0; h < heads; ++h)
-          sums[h * D + c] = detail::fused_multiply_add(
-              w.weights[(h * groups + c / VG) * attention_split_tokens + (t - t0)], code,
-              sums[h * D + c]);
-      }
+      add_value_token_portable(t % 2 == 0 ? acc : odd, heads, D, groups, VG, w.weights + (t - t0),
+                               [&](int c) {
+                                 std::uint32_t k = 0;
+                                 for (int j = 0; j < src.planes; ++j)
+                                   k = (k << 1) | token_bit(rows[j][c], static_cast<int>(t - tb));
+                                 return k;
+                               });
     }
   }
   for (std::int64_t i = 0; i < heads * D; ++i) acc[i] += odd[i];
@@ -352,18 +358,10 @@ void score_tokens_portable(const code_kv_source<View>& src, std::int64_t kv_head
                            int heads, std::int64_t t0, std::int64_t t1, const split_scratch& w) {
   const layer_geometry& g = src.view.geometry;
   const int D = static_cast<int>(g.head_dim);
-  const float unit = src.level_unit(), half = src.half();
   std::int64_t folded_group = -1;
   for (std::int64_t t = t0; t < t1; ++t) {
-    const std::int64_t grp = t / g.key_group;
-    if (grp != folded_group) {
-      const std::int64_t base = (kv_head * g.key_token_groups() + grp) * D;
-      for (int h = 0; h < heads; ++h)
-        w.bias[h] =
-            fold_query_into_key_group(q + h * D, src.view.key_scale() + base,
-                                      src.view.key_zero() + base, D, unit, half, w.qs + h * D);
-      folded_group = grp;
-    }
+    if (t / g.key_group != folded_group)
+      fold_queries_portable(src, kv_head, folded_group = t / g.key_group, q, heads, w);
     const auto* kb =
         src.view.key_block(kv_head, t / attention_block_tokens) + t % attention_block_tokens;
     for (int h = 0; h < heads; ++h) {
@@ -389,15 +387,9 @@ void accumulate_values_portable(const code_kv_source<View>& src, std::int64_t kv
   std::fill(acc, acc + heads * D, 0.0f);
   std::fill(odd, odd + heads * D, 0.0f);
   for (std::int64_t t = t0; t < t1; ++t) {
-    float* sums = t % 2 == 0 ? acc : odd;
     const auto* row = src.view.value_row(kv_head, t);
-    for (int c = 0; c < D; ++c) {
-      const float code = static_cast<float>(row[c]);
-      for (int h = 0; h < heads; ++h)
-        sums[h * D + c] = detail::fused_multiply_add(
-            w.weights[(h * groups + c / VG) * attention_split_tokens + (t - t0)], code,
-            sums[h * D + c]);
-    }
+    add_value_token_portable(t % 2 == 0 ? acc : odd, heads, D, groups, VG, w.weights + (t - t0),
+                             [row](int c) { return row[c]; });
   }
   for (std::int64_t i = 0; i < heads * D; ++i) acc[i] += odd[i];
   add_value_offsets(w.offsets, heads, D, groups, VG, acc);
@@ -1205,8 +1197,6 @@ LYNX_ATTENTION_GFNI_TARGET void add_values_pairs_gfni(
   walk_io = walk;
 }
 
-/// scores of up to 4 heads against one decoded key block: s = bias + sum_c qs[c] * code[c], channel
-/// order.
 /// 16 consecutive codes as floats (exact: codes are below 2^16), or 16 floats.
 template <class Code>
 LYNX_ATTENTION_AVX512_TARGET __attribute__((always_inline)) inline __m512 load16_codes_avx512(

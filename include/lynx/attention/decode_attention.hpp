@@ -87,9 +87,11 @@ struct dense_prompt {
 };
 
 enum class attention_path : std::uint8_t {
-  automatic,  // AVX-512 where the CPU has it and the shape allows, else portable
-  portable,   // plain loops (the reference walk; same bits as the AVX-512 one)
-  avx512,     // error when the CPU lacks AVX-512
+  automatic,          // AVX-512 where the CPU has it and the shape allows, else portable
+  portable,           // plain loops (the reference walk; same bits as the AVX-512 one), compiled
+                      // for AVX2 + FMA where the CPU has them
+  avx512,             // error when the CPU lacks AVX-512
+  portable_baseline,  // the portable loops as built (for the target the build chose): same bits
 };
 
 struct attention_options {
@@ -256,7 +258,10 @@ class decode_attention {
                    "attention: workspace of " + std::to_string(ws.size()) +
                        " bytes, this call needs " + std::to_string(need) +
                        " (size it with attention_workspace::reserve before the hot loop)");
-    bool simd = options.path != attention_path::portable && detail::host_has_avx512();
+    const bool simd =
+        (options.path == attention_path::automatic || options.path == attention_path::avx512) &&
+        detail::host_has_avx512();
+    const bool fma = options.path != attention_path::portable_baseline && detail::host_has_fma();
     if (options.path == attention_path::avx512 && !detail::host_has_avx512())
       detail::fail(errc::invalid_argument,
                    "attention: AVX-512 path requested on a CPU without AVX-512F/BW");
@@ -264,19 +269,19 @@ class decode_attention {
 
     if constexpr (std::is_same_v<Prompt, no_prompt>) {
       run(p, static_cast<const detail::dense_kv_source<TailT>*>(nullptr), tail_keys, tail_values, q,
-          vis, out, ws, options, simd);
+          vis, out, ws, options, simd, fma);
     } else if constexpr (requires { prompt.key_codes; }) {
       const detail::code_kv_source<std::remove_cvref_t<Prompt>> src{prompt};
-      run(p, &src, tail_keys, tail_values, q, vis, out, ws, options, simd);
+      run(p, &src, tail_keys, tail_values, q, vis, out, ws, options, simd, fma);
     } else if constexpr (requires { prompt.geometry; }) {
       using view_t = std::remove_cvref_t<Prompt>;
       const detail::plane_kv_source<typename view_t::plan, view_t::group_size> src{prompt,
                                                                                    prompt.planes()};
-      run(p, &src, tail_keys, tail_values, q, vis, out, ws, options, simd);
+      run(p, &src, tail_keys, tail_values, q, vis, out, ws, options, simd, fma);
     } else {
       using T = std::remove_const_t<typename decltype(prompt.keys)::element_type>;
       const detail::dense_kv_source<T> src{prompt.keys, prompt.values};
-      run(p, &src, tail_keys, tail_values, q, vis, out, ws, options, simd);
+      run(p, &src, tail_keys, tail_values, q, vis, out, ws, options, simd, fma);
     }
   }
 
@@ -340,7 +345,7 @@ class decode_attention {
   void run(const attention_problem& p, const Source* prompt_src,
            kv_view<const TailT, host_space> tail_keys, kv_view<const TailT, host_space> tail_values,
            const attention_queries& q, tail_visibility vis, attention_output out,
-           attention_workspace& ws, const attention_options& options, bool simd) const {
+           attention_workspace& ws, const attention_options& options, bool simd, bool fma) const {
     const int D = static_cast<int>(p.head_dim);
     const int heads = static_cast<int>(p.group_heads());
     const std::int64_t splits = p.splits(), prompt_splits = p.prompt_splits();
@@ -440,10 +445,10 @@ class decode_attention {
                           std::min(p.prompt_tokens, (s2 + 1) * attention_split_tokens)};
               }
               detail::compute_split(*prompt_src, g, qg, heads, t0, t1, first_visible, variant,
-                                    prompt_simd, w, m, l, acc, next);
+                                    prompt_simd, fma, w, m, l, acc, next);
             } else {
               detail::compute_split(tail, g, qg, heads, t0, t1, first_visible, variant, tail_simd,
-                                    w, m, l, acc);
+                                    fma, w, m, l, acc);
             }
           }
         }

@@ -38,6 +38,16 @@
 #define LYNX_ATTENTION_AVX512 1
 #define LYNX_ATTENTION_AVX512_TARGET \
   __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,fma")))
+// A portable function compiled for AVX2 + FMA with everything it calls inlined
+// (for CPUs with host_has_fma). GCC contracts a * b + c into one FMA by default
+// in C++ (-ffp-contract=fast), which would round differently from the loops as
+// written: not in these.
+#if defined(__clang__)
+#define LYNX_ATTENTION_FMA_CLONE __attribute__((target("avx2,fma"), flatten))
+#else
+#define LYNX_ATTENTION_FMA_CLONE \
+  __attribute__((target("avx2,fma"), flatten, optimize("fp-contract=off")))
+#endif
 #else
 #define LYNX_ATTENTION_AVX512 0
 #endif
@@ -49,6 +59,19 @@ inline bool host_has_avx512() {
 #if LYNX_ATTENTION_AVX512
   static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+  return yes;
+#else
+  return false;
+#endif
+}
+
+/// True when this CPU has AVX2 and FMA: the portable walk then runs compiled for
+/// them (compute_split_portable_fma), where a build for the x86-64 baseline would
+/// call libm for every std::fma and vectorize nothing. fma is exact either way and
+/// the loops are not reassociated, so the bits are those of the baseline build.
+inline bool host_has_fma() {
+#if LYNX_ATTENTION_AVX512
+  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   return yes;
 #else
   return false;
@@ -447,6 +470,18 @@ void accumulate_values_portable(const dense_kv_source<T>& src, std::int64_t kv_h
     }
   }
 }
+
+#if LYNX_ATTENTION_AVX512
+/// accumulate_values_portable compiled for AVX2 + FMA: the AVX-512 kernels' loop for
+/// the shapes they do not take (same operations, same bits).
+template <class Source>
+LYNX_ATTENTION_FMA_CLONE void accumulate_values_portable_fma(const Source& src,
+                                                             std::int64_t kv_head, int heads,
+                                                             std::int64_t t0, std::int64_t t1,
+                                                             float* acc, const split_scratch& w) {
+  accumulate_values_portable(src, kv_head, heads, t0, t1, acc, w);
+}
+#endif
 
 /// p = exp2(s2 - m) over n scores, in place.
 inline void exp2_shifted_portable(float* s, std::int64_t n, float m) {
@@ -1373,7 +1408,7 @@ LYNX_ATTENTION_AVX512_TARGET void accumulate_values_avx512(const plane_kv_source
   const int D = static_cast<int>(g.head_dim);
   const std::int64_t groups = g.value_channel_groups(), VG = g.value_group;
   if (!gfni_values(src)) {  // the weights are in w.weights (compute_split)
-    accumulate_values_portable(src, kv_head, heads, t0, t1, acc, w);
+    accumulate_values_portable_fma(src, kv_head, heads, t0, t1, acc, w);
     return;
   }
   const std::int64_t b0 = t0 / attention_block_tokens,
@@ -1547,7 +1582,7 @@ LYNX_ATTENTION_AVX512_TARGET void accumulate_values_avx512(const code_kv_source<
   const int D = static_cast<int>(g.head_dim);
   const std::int64_t groups = g.value_channel_groups(), VG = g.value_group;
   if (D % 16 != 0 || VG % 16 != 0) {
-    accumulate_values_portable(src, kv_head, heads, t0, t1, acc, w);
+    accumulate_values_portable_fma(src, kv_head, heads, t0, t1, acc, w);
     return;
   }
   // whole pairs: t0 is even (a multiple of the split size); a token past t1 weighs 0
@@ -2013,47 +2048,68 @@ void softmax_split(float* s, std::int64_t n, std::int64_t t0, std::int64_t first
 /// `heads` query heads over tokens [t0, t1) with tokens before `first_visible` masked.
 /// q: [heads][D], already multiplied by the softmax scale. m, l: [heads]; acc: [heads][D].
 /// next: the split this worker walks after this one (for prefetches; never changes a result).
+/// compute_split's portable walk (plain loops, the reference order).
+template <class Source, class Variant>
+void compute_split_portable(const Source& src, std::int64_t kv_head, const float* q, int heads,
+                            std::int64_t t0, std::int64_t t1, std::int64_t first_visible,
+                            const Variant& variant, const split_scratch& w, float* m, float* l,
+                            float* acc) {
+  score_tokens_portable(src, kv_head, q, heads, t0, t1, w);
+  for (int h = 0; h < heads; ++h)
+    softmax_split(w.scores + h * attention_split_tokens, t1 - t0, t0, first_visible, variant, false,
+                  m[h], l[h]);
+  if constexpr (requires { src.view; }) value_weights_portable(src, kv_head, heads, t0, t1, w);
+  accumulate_values_portable(src, kv_head, heads, t0, t1, acc, w);
+}
+
+#if LYNX_ATTENTION_AVX512
+/// The same walk with everything it calls inlined and compiled for AVX2 + FMA
+/// (host_has_fma): the same operations in the same order, so the same bits.
+template <class Source, class Variant>
+LYNX_ATTENTION_FMA_CLONE void compute_split_portable_fma(
+    const Source& src, std::int64_t kv_head, const float* q, int heads, std::int64_t t0,
+    std::int64_t t1, std::int64_t first_visible, const Variant& variant, const split_scratch& w,
+    float* m, float* l, float* acc) {
+  compute_split_portable(src, kv_head, q, heads, t0, t1, first_visible, variant, w, m, l, acc);
+}
+#endif
+
+/// simd: the AVX-512 walk; else the portable one, compiled for AVX2 + FMA when `fma`.
 template <class Source, class Variant>
 void compute_split(const Source& src, std::int64_t kv_head, const float* q, int heads,
                    std::int64_t t0, std::int64_t t1, std::int64_t first_visible,
-                   const Variant& variant, bool simd, const split_scratch& w, float* m, float* l,
-                   float* acc, const next_split& next = {}) {
-  const std::int64_t n = t1 - t0;
-  (void)simd;
+                   const Variant& variant, bool simd, bool fma, const split_scratch& w, float* m,
+                   float* l, float* acc, const next_split& next = {}) {
   (void)next;
+  (void)fma;
 #if LYNX_ATTENTION_AVX512
   if (simd) {
+    const std::int64_t n = t1 - t0;
     if constexpr (requires { src.view; })
       score_tokens_avx512(src, kv_head, q, heads, t0, t1, w, next);
     else
       score_tokens_avx512(src, kv_head, q, heads, t0, t1, w);
-  } else
-#endif
-  {
-    score_tokens_portable(src, kv_head, q, heads, t0, t1, w);
-  }
-  for (int h = 0; h < heads; ++h)
-    softmax_split(w.scores + h * attention_split_tokens, n, t0, first_visible, variant, simd, m[h],
-                  l[h]);
-  if constexpr (requires { src.view; }) {
-#if LYNX_ATTENTION_AVX512
-    if (simd) {
+    for (int h = 0; h < heads; ++h)
+      softmax_split(w.scores + h * attention_split_tokens, n, t0, first_visible, variant, true,
+                    m[h], l[h]);
+    if constexpr (requires { src.view; }) {
       // the GFNI value kernels compute their weights pass by pass
       if (!gfni_values(src)) value_weights_avx512(src, kv_head, heads, t0, t1, w);
-    } else
-#endif
-      value_weights_portable(src, kv_head, heads, t0, t1, w);
-  }
-#if LYNX_ATTENTION_AVX512
-  if (simd) {
-    if constexpr (requires { src.view; })
       accumulate_values_avx512(src, kv_head, heads, t0, t1, acc, w, next);
-    else
+    } else {
       accumulate_values_avx512(src, kv_head, heads, t0, t1, acc, w);
+    }
     return;
   }
+  if (fma) {
+    compute_split_portable_fma(src, kv_head, q, heads, t0, t1, first_visible, variant, w, m, l,
+                               acc);
+    return;
+  }
+#else
+  (void)simd;
 #endif
-  accumulate_values_portable(src, kv_head, heads, t0, t1, acc, w);
+  compute_split_portable(src, kv_head, q, heads, t0, t1, first_visible, variant, w, m, l, acc);
 }
 
 /// Whether a dense prompt's splits are walked for several kv heads at once

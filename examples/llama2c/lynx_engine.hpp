@@ -3,10 +3,12 @@
 // bit-plane tensors at a precision level (never materialized), and over the
 // tokens decoded here it reads the engine's own fp32 tail. Satisfies
 // lynx::decode_engine, so a lynx::progressive_session can drive it.
-// Once every stream has landed, the layers can be merged into codes
-// (make_prompt_codes, on any thread) and handed to the engine (use_codes):
-// attention over the codes gives the same bits as over all planes, so the
-// switch can happen at any step without touching exactness.
+// Once every stream has landed, the layers can be merged into codes and handed
+// to the engine (use_codes): all at once (make_prompt_codes), or layer by layer
+// as a lynx::background_merge finishes them while decoding goes on. Attention
+// over a layer's codes gives the same bits as over all its planes, so the
+// switch can happen at any step, one layer at a time, without touching
+// exactness.
 #pragma once
 
 #include <cstdint>
@@ -16,6 +18,7 @@
 #include <vector>
 
 #include "forward.hpp"
+#include "lynx/attention/background_merge.hpp"
 #include "lynx/attention/code_tensor.hpp"
 #include "lynx/attention/decode_attention.hpp"
 #include "lynx/planes/codec.hpp"
@@ -77,16 +80,32 @@ class lynx_prompt_attention {
   int level = 1;  // precision level the prompt is read at
   /// Codes of every layer, read instead of the planes at the full level (null: planes).
   const prompt_codes<Plan, G>* codes = nullptr;
+  /// Or the layers a background merge has finished so far (the rest: planes).
+  const lynx::background_merge<Plan, G>* merging = nullptr;
+  /// Attention calls (one per layer and forward) at the full level, on codes and on planes.
+  std::int64_t full_level_on_codes = 0, full_level_on_planes = 0;
+
+  /// Layer `layer`'s codes, when there are any yet.
+  [[nodiscard]] const lynx::code_tensor<Plan, G>* codes_of(int layer) const {
+    if (codes != nullptr) return &(*codes)[static_cast<std::size_t>(layer)];
+    if (merging != nullptr) return merging->layer(static_cast<std::size_t>(layer));
+    return nullptr;
+  }
 
   void operator()(const kv_cache& cache, int layer, std::span<const float> q, int tail_visible,
                   std::span<float> out) {
     if (prompt_ == nullptr)
       throw std::logic_error("lynx_prompt_attention: no prompt tensors attached");
-    if (codes != nullptr && level == Plan::streams)
-      attend((*codes)[static_cast<std::size_t>(layer)].view(), cache, layer, q, tail_visible, out);
-    else
-      attend((*prompt_)[static_cast<std::size_t>(layer)].view_at(level), cache, layer, q,
-             tail_visible, out);
+    if (level == Plan::streams) {
+      if (const auto* c = codes_of(layer)) {
+        ++full_level_on_codes;
+        attend(c->view(), cache, layer, q, tail_visible, out);
+        return;
+      }
+      ++full_level_on_planes;
+    }
+    attend((*prompt_)[static_cast<std::size_t>(layer)].view_at(level), cache, layer, q,
+           tail_visible, out);
   }
 
  private:
@@ -146,6 +165,18 @@ class lynx_decode_engine {
                                   " layers for a model of " +
                                   std::to_string(inner_.cfg().n_layers));
     inner_.attention().codes = codes;
+    inner_.attention().merging = nullptr;
+  }
+  /// Reads each layer's codes as soon as `merge` (over this engine's prompt
+  /// tensors) has made them; null: back to the planes. The merge must outlive
+  /// its use here.
+  void use_codes(const lynx::background_merge<Plan, G>* merge) {
+    if (merge != nullptr && merge->size() != static_cast<std::size_t>(inner_.cfg().n_layers))
+      throw std::invalid_argument("lynx_decode_engine: a merge of " +
+                                  std::to_string(merge->size()) + " layers for a model of " +
+                                  std::to_string(inner_.cfg().n_layers));
+    inner_.attention().merging = merge;
+    inner_.attention().codes = nullptr;
   }
   [[nodiscard]] engine<lynx_prompt_attention<Plan, G>>& inner() { return inner_; }
 

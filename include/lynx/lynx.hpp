@@ -2,6 +2,7 @@
 // The umbrella header: everything host-side. CUDA kernels: lynx/backend/cuda/*.cuh.
 #pragma once
 
+#include "lynx/attention/background_merge.hpp"
 #include "lynx/attention/code_tensor.hpp"
 #include "lynx/attention/decode_attention.hpp"
 #include "lynx/core/buffer.hpp"

@@ -4,18 +4,23 @@
 // plans 8 = 4 + 4, 8 = 2 + 2 + 4 and 16 = 4 + 12, whether the residual lands
 // before the first draft, mid-draft or after the draft limit; and 16 = 4 + 12
 // also equals decoding with the unquantized fp32 cache. An engine that switches
-// to the layers merged into codes (lynx::code_tensor) commits the same tokens.
+// to the layers merged into codes (lynx::code_tensor) commits the same tokens,
+// and so does one that reads each layer's codes as soon as a background merge
+// (started when the last stream lands) has made them.
 #include <doctest/doctest.h>
 
 #include <cstdint>
 #include <cstdlib>
 #include <filesystem>
+#include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
 #include "../support/real_model.hpp"
 #include "llama2c/llama2c.hpp"
 #include "llama2c/lynx_engine.hpp"
+#include "lynx/attention/background_merge.hpp"
 #include "lynx/speculation/session.hpp"
 
 namespace ll = lynx_examples::llama2c;
@@ -64,9 +69,14 @@ template <class Plan>
 std::vector<int> lynx_session(const ll::weights& w, const ll::prompt_tensors<Plan>& tensors,
                               const prefilled& p, const landing& land, int max_draft,
                               lynx::session_stats& stats,
-                              const ll::prompt_codes<Plan>* codes = nullptr) {
+                              const ll::prompt_codes<Plan>* codes = nullptr,
+                              bool background = false) {
   ll::lynx_decode_engine<Plan> e(w, tensors, static_cast<int>(p.prompt.size()));
   e.use_codes(codes);
+  // background: when the last stream lands, merge on a helper thread; the steps
+  // meanwhile read whatever layers are done, and from 4 steps later on, all of them
+  std::optional<lynx::background_merge<Plan>> merge;
+  int merge_started_at = 0;
   lynx::session_options o;
   o.max_draft = max_draft;
   o.max_new_tokens = committed_tokens;
@@ -79,10 +89,21 @@ std::vector<int> lynx_session(const ll::weights& w, const ll::prompt_tensors<Pla
     for (std::size_t l = 0; l < land.level_at_step.size(); ++l)
       if (steps >= land.level_at_step[l] && session.available_level() < static_cast<int>(l) + 1)
         session.set_available_level(static_cast<int>(l) + 1);
+    if (background && !merge && session.available_level() == Plan::streams) {
+      merge.emplace(std::span(tensors));
+      e.use_codes(&*merge);
+      merge_started_at = steps;
+    }
+    if (merge && steps == merge_started_at + 4) merge->wait();
     session.step();
     REQUIRE(++steps < 4 * committed_tokens + 64);
   }
   CHECK(streamed == std::vector<int>(session.committed().begin(), session.committed().end()));
+  if (background) {
+    REQUIRE(merge);
+    CHECK(merge->ready() == tensors.size());
+    CHECK(e.inner().attention().full_level_on_codes > 0);
+  }
   stats.draft_tokens += session.stats().draft_tokens;
   stats.verifications += session.stats().verifications;
   stats.verified_drafts += session.stats().verified_drafts;
@@ -123,6 +144,8 @@ void check_plan(const std::vector<landing>& landings,
     CHECK(plain_greedy<Plan>(w, tensors, p, &codes) == want);
     lynx::session_stats ignored;
     CHECK(lynx_session<Plan>(w, tensors, p, landings.back(), max_draft, ignored, &codes) == want);
+    CHECK(lynx_session<Plan>(w, tensors, p, landings.back(), max_draft, ignored, nullptr, true) ==
+          want);
   }
   MESSAGE(Plan::name() << ": " << sessions << " sessions exact; drafts " << stats.draft_tokens
                        << ", acceptance rate " << stats.acceptance_rate()

@@ -182,8 +182,15 @@ TEST_CASE(
           0);  // every segment acked: delivered, buffers released after their final completion
     CHECK(r.decode.tl.anchor_landed >= 0);
     CHECK(r.decode.tl.residual_landed >= r.decode.tl.anchor_landed);
+    // the residual landed, so the prompt was merged into codes meanwhile (the
+    // tokens above are the same whichever layers were read as codes)
+    if (r.decode.codes_ready >= 0) CHECK(r.decode.codes_ready >= r.decode.tl.residual_landed);
     MESSAGE("seed " << seed << ": decode " << r.decode_seconds * 1e3 << " ms; drafts accepted "
-                    << r.decode.tl.accepted_drafts << " of " << r.decode.tl.verified_drafts);
+                    << r.decode.tl.accepted_drafts << " of " << r.decode.tl.verified_drafts
+                    << "; codes ready at " << r.decode.codes_ready * 1e3 << " ms (merge "
+                    << r.decode.merge_seconds * 1e6 << " us), full-level layer attentions on codes "
+                    << r.decode.full_level_on_codes << ", on planes "
+                    << r.decode.full_level_on_planes);
   }
 }
 

@@ -52,6 +52,14 @@
 #define LYNX_ATTENTION_AVX512 0
 #endif
 
+#if defined(__CUDACC__) || !defined(__GNUC__)
+#define LYNX_ATTENTION_UNFUSED
+#elif defined(__clang__)
+#define LYNX_ATTENTION_UNFUSED __attribute__((flatten))
+#else
+#define LYNX_ATTENTION_UNFUSED __attribute__((flatten, optimize("fp-contract=off")))
+#endif
+
 namespace lynx::detail {
 
 /// True when this CPU runs the AVX-512 kernels.
@@ -2062,6 +2070,17 @@ void compute_split_portable(const Source& src, std::int64_t kv_head, const float
   accumulate_values_portable(src, kv_head, heads, t0, t1, acc, w);
 }
 
+/// The portable walk as built, everything it calls inlined into a function that
+/// GCC compiles without contracting a * b + c: a build for a target with FMA
+/// (-march=native) would otherwise fuse what the walk rounds twice.
+template <class Source, class Variant>
+LYNX_ATTENTION_UNFUSED void compute_split_portable_unfused(
+    const Source& src, std::int64_t kv_head, const float* q, int heads, std::int64_t t0,
+    std::int64_t t1, std::int64_t first_visible, const Variant& variant, const split_scratch& w,
+    float* m, float* l, float* acc) {
+  compute_split_portable(src, kv_head, q, heads, t0, t1, first_visible, variant, w, m, l, acc);
+}
+
 #if LYNX_ATTENTION_AVX512
 /// The same walk with everything it calls inlined and compiled for AVX2 + FMA
 /// (host_has_fma): the same operations in the same order, so the same bits.
@@ -2109,7 +2128,8 @@ void compute_split(const Source& src, std::int64_t kv_head, const float* q, int 
 #else
   (void)simd;
 #endif
-  compute_split_portable(src, kv_head, q, heads, t0, t1, first_visible, variant, w, m, l, acc);
+  compute_split_portable_unfused(src, kv_head, q, heads, t0, t1, first_visible, variant, w, m, l,
+                                 acc);
 }
 
 /// Whether a dense prompt's splits are walked for several kv heads at once

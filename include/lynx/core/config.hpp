@@ -27,6 +27,19 @@
 #define LYNX_ALWAYS_INLINE inline
 #endif
 
+// -ffast-math (also implied by -Ofast) lets the compiler reassociate sums, fuse
+// a * b + c across statements and assume that no value is NaN or infinite: the
+// output bits of attention would then depend on the build (the golden attention
+// test fails on every case), and the checks that reject non-finite K/V and
+// queries could be compiled away. Lynx promises neither, so such a build stops
+// here. Define LYNX_ALLOW_FAST_MATH to build anyway, without those promises.
+#if defined(__FAST_MATH__) && !defined(LYNX_ALLOW_FAST_MATH)
+static_assert(sizeof(int) == 0,  // always false, with a message that says why
+              "Lynx: built with -ffast-math (or -Ofast), which breaks Lynx's bitwise exactness "
+              "and its non-finite input checks; build the files that include Lynx without it, or "
+              "define LYNX_ALLOW_FAST_MATH to accept that");
+#endif
+
 #define LYNX_VERSION_MAJOR 0
 #define LYNX_VERSION_MINOR 1
 #define LYNX_VERSION_PATCH 0

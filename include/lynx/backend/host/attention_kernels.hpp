@@ -38,20 +38,18 @@
 #define LYNX_ATTENTION_AVX512 1
 #define LYNX_ATTENTION_AVX512_TARGET \
   __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,fma")))
-// A portable function compiled for AVX2 + FMA with everything it calls inlined
-// (for CPUs with host_has_fma). GCC contracts a * b + c into one FMA by default
-// in C++ (-ffp-contract=fast), which would round differently from the loops as
-// written: not in these.
-#if defined(__clang__)
-#define LYNX_ATTENTION_FMA_CLONE __attribute__((target("avx2,fma"), flatten))
-#else
-#define LYNX_ATTENTION_FMA_CLONE \
-  __attribute__((target("avx2,fma"), flatten, optimize("fp-contract=off")))
-#endif
+// A portable walk compiled for AVX2 + FMA (for CPUs with host_has_fma), as
+// LYNX_ATTENTION_UNFUSED below: everything it calls inlined, no contraction.
+#define LYNX_ATTENTION_FMA_CLONE __attribute__((target("avx2,fma"))) LYNX_ATTENTION_UNFUSED
 #else
 #define LYNX_ATTENTION_AVX512 0
 #endif
 
+// A portable walk with everything it calls inlined (flatten), compiled by GCC
+// without contracting a * b + c: GCC fuses it into one FMA by default in C++
+// (-ffp-contract=fast) on targets with FMA, which rounds once where the walk, and
+// the AVX-512 kernels lane by lane, round twice. (clang contracts only within one
+// expression by default, and the walks write none that it would fuse.)
 #if defined(__CUDACC__) || !defined(__GNUC__)
 #define LYNX_ATTENTION_UNFUSED
 #elif defined(__clang__)

@@ -1,11 +1,15 @@
 // lynx::background_merge: a complete prompt merged into codes on a helper
 // thread gives, layer for layer, the bits of a code_tensor made on the spot;
 // layers are readable while the rest are merged; incomplete layers are refused
-// before a thread starts; kept slots are reused; cancel and destruction stop it.
+// before a thread starts; kept slots are reused; cancel and destruction stop it;
+// an error on the helper thread stops the merge and wait() rethrows it.
 #include <doctest/doctest.h>
 
+#include <chrono>
 #include <cstring>
+#include <new>
 #include <random>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -194,3 +198,41 @@ TEST_CASE("background_merge: cancel and destruction stop it; merged layers stay 
     CHECK(slots.size() == layers.size());
   }
 }
+
+TEST_CASE("background_merge: an error on the helper thread stops it; wait() rethrows it") {
+  // The second entry claims 2^52 tokens: the merge cannot allocate its codes (more
+  // bytes than an x86-64 address space holds), which fails on the helper thread
+  // before anything is read. (The sanitizers' allocators are told to return null for
+  // it, as the C library does, rather than abort: see the options at the end.)
+  const auto layers = make_layers<lynx::plan_8_4_4>({{100, 2, 64}, {40, 1, 64}}, 71);
+  std::vector<lynx::bitplane_view<lynx::plan_8_4_4, 32, lynx::host_space>> views{
+      layers[0].view(), layers[1].view(), layers[0].view()};
+  views[1].geometry.tokens = std::int64_t{1} << 52;
+  lynx::background_merge<lynx::plan_8_4_4> merge(views);
+  CHECK_THROWS_AS(merge.wait(), std::bad_alloc);
+  CHECK(merge.done());
+  CHECK(merge.failed());
+  CHECK(merge.ready() == 1);  // the layer before the error stays published, and exact
+  REQUIRE(merge.layer(0) != nullptr);
+  CHECK(same_codes(*merge.layer(0), lynx::code_tensor<lynx::plan_8_4_4>(layers[0])));
+  CHECK(merge.layer(1) == nullptr);
+  CHECK(merge.layer(2) == nullptr);               // nothing after the error is merged
+  CHECK_THROWS_AS(merge.wait(), std::bad_alloc);  // every wait() reports it
+  CHECK(merge.elapsed() > std::chrono::steady_clock::duration{});
+  // the slots come back, and a merge of complete layers with them succeeds
+  auto slots = merge.release();
+  CHECK(slots.size() == 3);
+  lynx::background_merge<lynx::plan_8_4_4> again{std::span(layers), 1, std::move(slots)};
+  again.wait();
+  CHECK_FALSE(again.failed());
+  CHECK(again.ready() == 2);
+}
+
+// An allocation larger than the sanitizers' allocators support returns null (as
+// glibc's does) instead of aborting the test.
+#if defined(__SANITIZE_ADDRESS__)
+extern "C" const char* __asan_default_options() { return "allocator_may_return_null=1"; }
+#endif
+#if defined(__SANITIZE_THREAD__)
+extern "C" const char* __tsan_default_options() { return "allocator_may_return_null=1"; }
+#endif

@@ -97,15 +97,21 @@ LYNX_HOST_DEVICE float key_token_score(const float* qs, float bias,
 }
 
 /// Weights of one value token of one channel group: the output gains
-///   p * reconstruct(v_c) = weight * float(v_c) + p * (scale * half + zero)
-/// weight = p * scale * 2^(B-P); the second term is returned as `offset`.
+///   p * reconstruct(v_c) = weight * float(v_c) + p * shift
+/// weight = p * scale * 2^(B-P), shift = scale * half + zero. The p * shift terms
+/// of a group are summed as a fixed-order sum of fused multiply-adds
+/// (value_offset_step), so no compiler can contract them differently.
 struct value_token_weight {
   float weight;
-  float offset;
+  float shift;
 };
 LYNX_HOST_DEVICE value_token_weight fold_value_token(float p, float scale, float zero,
                                                      float level_unit, float half) {
-  return {p * (scale * level_unit), p * detail::fused_multiply_add(scale, half, zero)};
+  return {p * (scale * level_unit), detail::fused_multiply_add(scale, half, zero)};
+}
+/// One term of a value group's offset sum: sum + p * shift, rounded once.
+LYNX_HOST_DEVICE float value_offset_step(float sum, float p, float shift) {
+  return detail::fused_multiply_add(p, shift, sum);
 }
 
 /// Sum of x[0..n) in the fixed order of every backend: lane l accumulates

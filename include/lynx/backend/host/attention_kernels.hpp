@@ -316,7 +316,8 @@ void score_tokens_portable(const plane_kv_source<Plan, G>& src, std::int64_t kv_
 }
 
 /// Value weights of tokens [t0, t1) (shared by both paths): weights[h][grp][t - t0]
-/// and offsets[h][grp] = sum_t p * (scale * half + zero), in token order.
+/// and offsets[h][grp] = sum_t p * (scale * half + zero), in token order (lane t mod 16
+/// by value_offset_step, then the halving tree).
 template <class Source>
 void value_weights_portable(const Source& src, std::int64_t kv_head, int heads, std::int64_t t0,
                             std::int64_t t1, const split_scratch& w) {
@@ -334,7 +335,8 @@ void value_weights_portable(const Source& src, std::int64_t kv_head, int heads, 
         const value_token_weight vw =
             fold_value_token(p[t - t0], vs[t * groups + grp], vz[t * groups + grp], unit, half);
         out[t - t0] = vw.weight;
-        lane[(t - t0) % attention_reduction_lanes] += vw.offset;
+        float& sum = lane[(t - t0) % attention_reduction_lanes];
+        sum = value_offset_step(sum, p[t - t0], vw.shift);
       }
       for (int wdt = attention_reduction_lanes / 2; wdt >= 1; wdt /= 2)
         for (int l = 0; l < wdt; ++l) lane[l] += lane[l + wdt];
@@ -678,7 +680,7 @@ LYNX_ATTENTION_AVX512_TARGET inline void value_weights_tile_avx512(
         if (h >= hn) break;
         _mm512_mask_storeu_ps(weights + (h * out_groups + k) * attention_split_tokens + i, live,
                               _mm512_mul_ps(p[h], su));
-        lanes[h][k] = _mm512_mask_add_ps(lanes[h][k], live, lanes[h][k], _mm512_mul_ps(p[h], off));
+        lanes[h][k] = _mm512_mask3_fmadd_ps(p[h], off, lanes[h][k], live);  // value_offset_step
       }
     }
   }

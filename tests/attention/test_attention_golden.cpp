@@ -62,6 +62,18 @@ std::vector<T> as(const std::vector<float>& x) {
   return r;
 }
 
+// A layer of `shape` encoded with Plan and G, its first `level` streams accepted (last
+// first when `reversed`: a tensor takes its streams in any order).
+template <class Plan, int G = 32>
+lynx::bitplane_tensor<Plan, G> tensor_of(const std::vector<float>& k, const std::vector<float>& v,
+                                         lynx::kv_shape shape, int level, bool reversed = false) {
+  const auto enc = lynx::encode<Plan, G>(lynx::token_major<const float>(k.data(), shape),
+                                         lynx::token_major<const float>(v.data(), shape), 0);
+  lynx::bitplane_tensor<Plan, G> t(shape, 0);
+  for (int i = 0; i < level; ++i) t.accept(enc.segment(reversed ? level - 1 - i : i));
+  return t;
+}
+
 // One golden case: a prompt of `tokens`, a tail of `tail` tokens, n queries
 // causal over the tail, GQA `group`.
 struct shape_case {
@@ -213,13 +225,7 @@ TEST_CASE("golden attention: Llama-3-8B head shape (head_dim 128, GQA 8), head_d
   {
     const shape_case c{300, 4, 8, 2, 3, 4};
     const lynx::kv_shape shape{c.tokens, c.kv_heads, c.head_dim};
-    const auto k = keys_of(11, shape), v = values_of(12, shape);
-    const auto enc =
-        lynx::encode<lynx::plan_8_4_4>(lynx::token_major<const float>(k.data(), shape),
-                                       lynx::token_major<const float>(v.data(), shape), 0);
-    lynx::bitplane_tensor<lynx::plan_8_4_4> t(shape, 0);
-    t.accept(enc.segment(0));
-    t.accept(enc.segment(1));
+    const auto t = tensor_of<lynx::plan_8_4_4>(keys_of(11, shape), values_of(12, shape), shape, 2);
     const lynx::kv_shape ts{c.tail, c.kv_heads, c.head_dim};
     check_golden("head_dim 8, 8 = 4 + 4 level 2", t.view(), c, as<bf16>(keys_of(13, ts)),
                  as<bf16>(values_of(14, ts)), queries_of(15, c.n, c.kv_heads * c.group, 8));
@@ -227,13 +233,8 @@ TEST_CASE("golden attention: Llama-3-8B head shape (head_dim 128, GQA 8), head_d
   {
     const shape_case c{700, 1, 128, 4, 2, 3};
     const lynx::kv_shape shape{c.tokens, c.kv_heads, c.head_dim};
-    const auto k = keys_of(21, shape), v = values_of(22, shape);
-    const auto enc =
-        lynx::encode<lynx::plan_16_4_12, 64>(lynx::token_major<const float>(k.data(), shape),
-                                             lynx::token_major<const float>(v.data(), shape), 0);
-    lynx::bitplane_tensor<lynx::plan_16_4_12, 64> t(shape, 0);
-    t.accept(enc.segment(1));
-    t.accept(enc.segment(0));
+    const auto t =
+        tensor_of<lynx::plan_16_4_12, 64>(keys_of(21, shape), values_of(22, shape), shape, 2, true);
     const lynx::kv_shape ts{c.tail, c.kv_heads, c.head_dim};
     check_golden("G = 64, 16 = 4 + 12 level 2", t.view(), c, as<bf16>(keys_of(23, ts)),
                  as<bf16>(values_of(24, ts)), queries_of(25, c.n, c.kv_heads * c.group, 128));
@@ -248,12 +249,7 @@ TEST_CASE("golden attention: sliding window, dense prompts (the 16-bit baseline)
   const auto tk = as<bf16>(keys_of(33, ts)), tv = as<bf16>(values_of(34, ts));
   const auto q = queries_of(35, c.n, c.kv_heads * c.group, c.head_dim);
   {
-    const auto enc =
-        lynx::encode<lynx::plan_8_4_4>(lynx::token_major<const float>(k.data(), shape),
-                                       lynx::token_major<const float>(v.data(), shape), 0);
-    lynx::bitplane_tensor<lynx::plan_8_4_4> t(shape, 0);
-    t.accept(enc.segment(0));
-    t.accept(enc.segment(1));
+    const auto t = tensor_of<lynx::plan_8_4_4>(k, v, shape, 2);
     lynx::default_variant windowed;
     windowed.scale = 0.2f;
     windowed.window_ = 700;  // the first split partly, and tokens before 400 fully, outside

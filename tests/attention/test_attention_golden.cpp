@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "../support/attention_paths.hpp"
 #include "../support/golden.hpp"
 #include "lynx/attention/code_tensor.hpp"
 #include "lynx/attention/decode_attention.hpp"
@@ -120,29 +121,6 @@ std::uint64_t expected(const std::string& name) {
 
 std::set<std::string> printed_entries;  // table lines printed so far
 
-std::vector<lynx::attention_path> paths() {
-  std::vector<lynx::attention_path> p{lynx::attention_path::portable};
-#if !defined(__SANITIZE_ADDRESS__)  // the loops as built call libm's fma: too slow under ASan
-  if (lynx::detail::host_has_fma()) p.push_back(lynx::attention_path::portable_baseline);
-#endif
-  if (lynx::detail::host_has_avx512()) p.push_back(lynx::attention_path::avx512);
-  return p;
-}
-
-std::string path_name(lynx::attention_path p) {
-  switch (p) {
-    case lynx::attention_path::automatic:
-      return "automatic";
-    case lynx::attention_path::portable:
-      return "portable";
-    case lynx::attention_path::avx512:
-      return "avx512";
-    case lynx::attention_path::portable_baseline:
-      return "portable_baseline";
-  }
-  return "?";
-}
-
 // Runs the attention on every path with 1 and 2 threads; every run must give the
 // table's hash. Returns that hash (of the first run).
 template <class Prompt, class TailT, class Variant = lynx::default_variant>
@@ -159,7 +137,7 @@ std::uint64_t check_golden(const std::string& name, const Prompt& prompt, const 
   const std::uint64_t want = expected(name);
   std::uint64_t first = 0;
   bool have_first = false;
-  for (const auto path : paths())
+  for (const auto path : lynx::test::host_attention_paths())
     for (const int threads : {1, 2}) {
       lynx::attention_workspace ws(attn.problem(prompt, tkv, queries, vis), threads);
       std::vector<float> out(static_cast<std::size_t>(c.n * qh * c.head_dim), -1.0f);
@@ -174,7 +152,8 @@ std::uint64_t check_golden(const std::string& name, const Prompt& prompt, const 
       }
       char hex[24];
       std::snprintf(hex, sizeof hex, "0x%016llx", static_cast<unsigned long long>(h));
-      INFO(name << ", path " << path_name(path) << ", " << threads << " thread(s): " << hex);
+      INFO(name << ", path " << lynx::test::attention_path_name(path) << ", " << threads
+                << " thread(s): " << hex);
       CHECK(h == want);
     }
   return first;

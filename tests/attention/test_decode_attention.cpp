@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "../support/attention_paths.hpp"
 #include "../support/attention_reference.hpp"
 #include "lynx/attention/decode_attention.hpp"
 #include "lynx/planes/codec.hpp"
@@ -125,17 +126,7 @@ bool same_bits(const std::vector<float>& a, const float* b, std::size_t n) {
   return std::memcmp(a.data(), b, n * sizeof(float)) == 0;
 }
 
-std::vector<lynx::attention_path> paths() {
-  std::vector<lynx::attention_path> p{lynx::attention_path::portable};
-  // the portable loops as built, when `portable` runs them compiled for AVX2 + FMA (not
-  // under AddressSanitizer: its libm fma calls there outlast the test timeout; the
-  // release and -march=native builds compare it)
-#if !defined(__SANITIZE_ADDRESS__)
-  if (lynx::detail::host_has_fma()) p.push_back(lynx::attention_path::portable_baseline);
-#endif
-  if (lynx::detail::host_has_avx512()) p.push_back(lynx::attention_path::avx512);
-  return p;
-}
+std::vector<lynx::attention_path> paths() { return lynx::test::host_attention_paths(); }
 
 template <class Plan, int G = 32>
 void accuracy_case(std::int64_t tokens, std::int64_t kv_heads, std::int64_t group, std::int64_t D,

@@ -21,6 +21,7 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <utility>
 
 #include "lynx/attention/tile_math.hpp"
 #include "lynx/backend/host/prefetch.hpp"
@@ -282,15 +283,103 @@ void fold_queries_portable(const Source& src, std::int64_t kv_head, std::int64_t
 }
 
 /// One value token of the portable value sums: sums[h][c] += weight[h][grp(c)] *
-/// code_of(c) in channel order; wt: the token's weights (w.weights + t - t0).
-template <class CodeOf>
-void add_value_token_portable(float* sums, int heads, int D, std::int64_t groups, std::int64_t VG,
-                              const float* wt, CodeOf&& code_of) {
-  for (int c = 0; c < D; ++c) {
-    const float code = static_cast<float>(code_of(c));
-    for (int h = 0; h < heads; ++h)
-      sums[h * D + c] = detail::fused_multiply_add(
-          wt[(h * groups + c / VG) * attention_split_tokens], code, sums[h * D + c]);
+/// row[c], one fused multiply-add each; wt: the token's weights (w.weights + t -
+/// t0), row: its codes as floats. The channel loops are contiguous, so a compiler
+/// vectorizes them.
+inline void add_value_row_portable(float* sums, int heads, int D, std::int64_t groups,
+                                   std::int64_t VG, const float* wt, const float* row) {
+  for (int h = 0; h < heads; ++h)
+    for (std::int64_t grp = 0; grp < groups; ++grp) {
+      const float weight = wt[(h * groups + grp) * attention_split_tokens];
+      float* sum = sums + h * D;
+      for (std::int64_t c = grp * VG; c < std::min<std::int64_t>(D, (grp + 1) * VG); ++c)
+        sum[c] = detail::fused_multiply_add(weight, row[c], sum[c]);
+    }
+}
+
+/// The float of a code (codes are below 2^16: the signed conversion, which
+/// every SIMD instruction set has, is exact); a decoded code is one already.
+template <class Code>
+inline float code_float(Code k) {
+  if constexpr (std::is_same_v<Code, float>)
+    return k;
+  else
+    return static_cast<float>(static_cast<std::int32_t>(k));
+}
+
+/// Calls f(std::integral_constant<int, P>) for P = planes (1 <= planes <= Max), so
+/// loops over planes unroll and the loops around them vectorize.
+template <int Max, class F>
+void with_plane_count(int planes, F&& f) {
+  [&]<int... I>(std::integer_sequence<int, I...>) {
+    ((planes == I + 1 ? (f(std::integral_constant<int, I + 1>{}), true) : false) || ...);
+  }
+  (std::make_integer_sequence<int, Max>{});
+}
+
+/// Code of token `token` from the words of P planes at rows[j][c] (prefix_code).
+template <int P>
+inline std::uint32_t plane_prefix(const std::uint32_t* const* rows, int c, int token) {
+  std::uint32_t code = 0;
+  for (int j = 0; j < P; ++j) code = (code << 1) | token_bit(rows[j][c], token);
+  return code;
+}
+
+/// Codes of one 32-token block of P planes as floats, tile[c][32] (lane = token).
+template <int P>
+inline void decode_key_tile_portable(const std::uint32_t* const* rows, int D, float* tile) {
+  constexpr int L = attention_block_tokens;
+  for (int c = 0; c < D; ++c)
+    for (int l = 0; l < L; ++l) tile[c * L + l] = code_float(plane_prefix<P>(rows, c, l));
+}
+
+/// Codes of one token of a 32-token block of P planes as floats, row[c].
+template <int P>
+inline void decode_value_row_portable(const std::uint32_t* const* rows, int D, int token,
+                                      float* row) {
+  for (int c = 0; c < D; ++c) row[c] = code_float(plane_prefix<P>(rows, c, token));
+}
+
+/// Scores of one 32-token block, lanes [la, lb), of the heads' folded queries
+/// (w.qs, w.bias) against tile[c][32] (lane = token; floats or codes):
+/// out[h * S + l] = bias[h] + sum_c qs[h][c] * tile[c][l], the sum starting at 0
+/// in channel order (key_token_score's operations, all 32 lanes at once).
+template <class K>
+void score_block_portable(const K* tile, int D, int heads, const split_scratch& w, float* out,
+                          int la, int lb) {
+  constexpr int L = attention_block_tokens;
+  for (int h = 0; h < heads; ++h) {
+    const float* qs = w.qs + h * D;
+    float s[L] = {};
+    for (int c = 0; c < D; ++c) {
+      const float qc = qs[c];
+      const K* k = tile + c * L;
+      for (int l = 0; l < L; ++l) s[l] = detail::fused_multiply_add(qc, code_float(k[l]), s[l]);
+    }
+    for (int l = la; l < lb; ++l) out[h * attention_split_tokens + l] = s[l] + w.bias[h];
+  }
+}
+
+/// Logits of tokens [t0, t1) of a plane or code prompt: scores[h][t - t0]. A block
+/// is decoded once (plane source) for all heads, and scored once per key group
+/// it holds (key groups of fewer than 32 tokens: a block holds several).
+template <class Source, class DecodeBlock>
+void score_blocks_portable(const Source& src, std::int64_t kv_head, const float* q, int heads,
+                           std::int64_t t0, std::int64_t t1, const split_scratch& w,
+                           DecodeBlock&& decode_block) {
+  const layer_geometry& g = src.view.geometry;
+  const int D = static_cast<int>(g.head_dim);
+  const std::int64_t KG = g.key_group;
+  for (std::int64_t b = t0 / attention_block_tokens; b * attention_block_tokens < t1; ++b) {
+    const std::int64_t tb = b * attention_block_tokens;
+    const auto* tile = decode_block(b);
+    for (std::int64_t a = std::max(tb, t0); a < std::min(tb + attention_block_tokens, t1);) {
+      const std::int64_t e = std::min({(a / KG + 1) * KG, tb + attention_block_tokens, t1});
+      fold_queries_portable(src, kv_head, a / KG, q, heads, w);
+      score_block_portable(tile, D, heads, w, w.scores + (tb - t0), static_cast<int>(a - tb),
+                           static_cast<int>(e - tb));
+      a = e;
+    }
   }
 }
 
@@ -300,19 +389,13 @@ void score_tokens_portable(const plane_kv_source<Plan, G>& src, std::int64_t kv_
                            const float* q, int heads, std::int64_t t0, std::int64_t t1,
                            const split_scratch& w) {
   const int D = static_cast<int>(src.view.geometry.head_dim);
-  const std::uint32_t* rows[16];
-  std::int64_t folded_group = -1;
-  for (std::int64_t b = t0 / attention_block_tokens; b * attention_block_tokens < t1; ++b) {
+  score_blocks_portable(src, kv_head, q, heads, t0, t1, w, [&](std::int64_t b) {
+    const std::uint32_t* rows[16];
     src.block_rows(true, kv_head, b, rows);
-    const std::int64_t tb = b * attention_block_tokens;
-    for (std::int64_t t = std::max(tb, t0); t < std::min(tb + attention_block_tokens, t1); ++t) {
-      if (t / G != folded_group)
-        fold_queries_portable(src, kv_head, folded_group = t / G, q, heads, w);
-      for (int h = 0; h < heads; ++h)
-        w.scores[h * attention_split_tokens + (t - t0)] =
-            key_token_score(w.qs + h * D, w.bias[h], rows, src.planes, D, static_cast<int>(t - tb));
-    }
-  }
+    with_plane_count<Plan::bits>(src.planes,
+                                 [&](auto p) { decode_key_tile_portable<p()>(rows, D, w.tile); });
+    return static_cast<const float*>(w.tile);
+  });
 }
 
 /// Value weights of tokens [t0, t1) (shared by both paths): weights[h][grp][t - t0]
@@ -363,6 +446,7 @@ void accumulate_values_portable(const plane_kv_source<Plan, G>& src, std::int64_
   const int D = static_cast<int>(g.head_dim);
   const std::int64_t groups = g.value_channel_groups(), VG = g.value_group;
   float* odd = w.odd;
+  float* row = w.tile;
   std::fill(acc, acc + heads * D, 0.0f);
   std::fill(odd, odd + heads * D, 0.0f);
   const std::uint32_t* rows[16];
@@ -370,40 +454,24 @@ void accumulate_values_portable(const plane_kv_source<Plan, G>& src, std::int64_
     src.block_rows(false, kv_head, b, rows);
     const std::int64_t tb = b * attention_block_tokens;
     for (std::int64_t t = std::max(tb, t0); t < std::min(tb + attention_block_tokens, t1); ++t) {
-      add_value_token_portable(t % 2 == 0 ? acc : odd, heads, D, groups, VG, w.weights + (t - t0),
-                               [&](int c) {
-                                 std::uint32_t k = 0;
-                                 for (int j = 0; j < src.planes; ++j)
-                                   k = (k << 1) | token_bit(rows[j][c], static_cast<int>(t - tb));
-                                 return k;
-                               });
+      with_plane_count<Plan::bits>(src.planes, [&](auto p) {
+        decode_value_row_portable<p()>(rows, D, static_cast<int>(t - tb), row);
+      });
+      add_value_row_portable(t % 2 == 0 ? acc : odd, heads, D, groups, VG, w.weights + (t - t0),
+                             row);
     }
   }
   for (std::int64_t i = 0; i < heads * D; ++i) acc[i] += odd[i];
   add_value_offsets(w.offsets, heads, D, groups, VG, acc);
 }
 
-/// score_tokens_portable of a code source: the same operations on the stored codes.
+/// score_tokens_portable of a code source: the same operations on the stored codes
+/// (already [c][32], lane = token).
 template <class View>
 void score_tokens_portable(const code_kv_source<View>& src, std::int64_t kv_head, const float* q,
                            int heads, std::int64_t t0, std::int64_t t1, const split_scratch& w) {
-  const layer_geometry& g = src.view.geometry;
-  const int D = static_cast<int>(g.head_dim);
-  std::int64_t folded_group = -1;
-  for (std::int64_t t = t0; t < t1; ++t) {
-    if (t / g.key_group != folded_group)
-      fold_queries_portable(src, kv_head, folded_group = t / g.key_group, q, heads, w);
-    const auto* kb =
-        src.view.key_block(kv_head, t / attention_block_tokens) + t % attention_block_tokens;
-    for (int h = 0; h < heads; ++h) {
-      const float* qs = w.qs + h * D;
-      float s = 0.0f;
-      for (int c = 0; c < D; ++c)
-        s = detail::fused_multiply_add(qs[c], static_cast<float>(kb[c * attention_block_tokens]),
-                                       s);
-      w.scores[h * attention_split_tokens + (t - t0)] = s + w.bias[h];
-    }
-  }
+  score_blocks_portable(src, kv_head, q, heads, t0, t1, w,
+                        [&](std::int64_t b) { return src.view.key_block(kv_head, b); });
 }
 
 /// accumulate_values_portable of a code source: the same operations on the stored codes.
@@ -415,12 +483,14 @@ void accumulate_values_portable(const code_kv_source<View>& src, std::int64_t kv
   const int D = static_cast<int>(g.head_dim);
   const std::int64_t groups = g.value_channel_groups(), VG = g.value_group;
   float* odd = w.odd;
+  float* codes = w.tile;
   std::fill(acc, acc + heads * D, 0.0f);
   std::fill(odd, odd + heads * D, 0.0f);
   for (std::int64_t t = t0; t < t1; ++t) {
     const auto* row = src.view.value_row(kv_head, t);
-    add_value_token_portable(t % 2 == 0 ? acc : odd, heads, D, groups, VG, w.weights + (t - t0),
-                             [row](int c) { return row[c]; });
+    for (int c = 0; c < D; ++c) codes[c] = code_float(row[c]);
+    add_value_row_portable(t % 2 == 0 ? acc : odd, heads, D, groups, VG, w.weights + (t - t0),
+                           codes);
   }
   for (std::int64_t i = 0; i < heads * D; ++i) acc[i] += odd[i];
   add_value_offsets(w.offsets, heads, D, groups, VG, acc);

@@ -16,6 +16,7 @@
 #pragma once
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -520,15 +521,65 @@ float dense_score(const float* q, const T* k, std::int64_t channel_stride, int D
   return lane[0];
 }
 
+/// dense_score of a contiguous key row against a query whose channels were put
+/// in lane order by dense_lane_order (bf16: the even channels of each 32, then
+/// the odd ones): the same lanes and order, a whole step of 16 lanes at a time
+/// so a compiler vectorizes it. A bf16 pair is read as one little-endian word.
+template <class T>
+float dense_score_contiguous(const float* q_lanes, const T* k, int D) {
+  constexpr int N = attention_reduction_lanes;
+  float lane[N] = {};
+  int c = 0;
+  if constexpr (std::is_same_v<T, bf16> && std::endian::native == std::endian::little) {
+    for (; c + 2 * N <= D; c += 2 * N) {
+      std::uint32_t word[N];
+      std::memcpy(word, k + c, sizeof(word));
+      for (int l = 0; l < N; ++l)
+        lane[l] = detail::fused_multiply_add(q_lanes[c + l], bits_float(word[l] << 16), lane[l]);
+      for (int l = 0; l < N; ++l)
+        lane[l] = detail::fused_multiply_add(q_lanes[c + N + l], bits_float(word[l] & 0xffff0000u),
+                                             lane[l]);
+    }
+  } else if constexpr (!std::is_same_v<T, bf16>) {
+    for (; c + N <= D; c += N)
+      for (int l = 0; l < N; ++l)
+        lane[l] = detail::fused_multiply_add(q_lanes[c + l], to_float(k[c + l]), lane[l]);
+  }
+  for (; c < D; ++c)  // the channels past the last whole step (q_lanes is q there)
+    lane[dense_score_lane<T>(c)] =
+        detail::fused_multiply_add(q_lanes[c], to_float(k[c]), lane[dense_score_lane<T>(c)]);
+  for (int wdt = N / 2; wdt >= 1; wdt /= 2)
+    for (int l = 0; l < wdt; ++l) lane[l] += lane[l + wdt];
+  return lane[0];
+}
+
+/// q[D] in the channel order dense_score_contiguous reads it.
+template <class T>
+void dense_lane_order(const float* q, int D, float* out) {
+  constexpr int N = attention_reduction_lanes;
+  int c = 0;
+  if constexpr (std::is_same_v<T, bf16> && std::endian::native == std::endian::little)
+    for (; c + 2 * N <= D; c += 2 * N)
+      for (int l = 0; l < N; ++l) {
+        out[c + l] = q[c + 2 * l];
+        out[c + N + l] = q[c + 2 * l + 1];
+      }
+  for (; c < D; ++c) out[c] = q[c];  // (bf16 on a big-endian host: all of them)
+}
+
 template <class T>
 void score_tokens_portable(const dense_kv_source<T>& src, std::int64_t kv_head, const float* q,
                            int heads, std::int64_t t0, std::int64_t t1, const split_scratch& w) {
   const int D = src.head_dim();
+  const bool contiguous = src.keys.channel_stride == 1;
+  if (contiguous)
+    for (int h = 0; h < heads; ++h) dense_lane_order<T>(q + h * D, D, w.qs + h * D);
   for (std::int64_t t = t0; t < t1; ++t) {
     const T* k = &src.keys(t, kv_head, 0);
     for (int h = 0; h < heads; ++h)
       w.scores[h * attention_split_tokens + (t - t0)] =
-          dense_score(q + h * D, k, src.keys.channel_stride, D);
+          contiguous ? dense_score_contiguous(w.qs + h * D, k, D)
+                     : dense_score(q + h * D, k, src.keys.channel_stride, D);
   }
 }
 
@@ -537,14 +588,19 @@ void accumulate_values_portable(const dense_kv_source<T>& src, std::int64_t kv_h
                                 std::int64_t t0, std::int64_t t1, float* acc,
                                 const split_scratch& w) {
   const int D = src.head_dim();
+  const std::int64_t stride = src.values.channel_stride;
+  float* row = w.tile;
   std::fill(acc, acc + heads * D, 0.0f);
   for (std::int64_t t = t0; t < t1; ++t) {
     const T* v = &src.values(t, kv_head, 0);
+    if (stride == 1)
+      for (int c = 0; c < D; ++c) row[c] = to_float(v[c]);
+    else
+      for (int c = 0; c < D; ++c) row[c] = to_float(v[c * stride]);
     for (int h = 0; h < heads; ++h) {
       const float p = w.scores[h * attention_split_tokens + (t - t0)];
-      for (int c = 0; c < D; ++c)
-        acc[h * D + c] = detail::fused_multiply_add(p, to_float(v[c * src.values.channel_stride]),
-                                                    acc[h * D + c]);
+      float* a = acc + h * D;
+      for (int c = 0; c < D; ++c) a[c] = detail::fused_multiply_add(p, row[c], a[c]);
     }
   }
 }

@@ -334,11 +334,27 @@ inline void decode_key_tile_portable(const std::uint32_t* const* rows, int D, fl
     for (int l = 0; l < L; ++l) tile[c * L + l] = code_float(plane_prefix<P>(rows, c, l));
 }
 
-/// Codes of one token of a 32-token block of P planes as floats, row[c].
+/// Codes of the 32 tokens of a block of P planes as floats, tile[t][D] (lane =
+/// channel). Up to 8 planes, four tokens at a time: each plane word gives the
+/// four tokens' bits (a nibble), spread to one bit per byte and shifted into
+/// a byte per token; more planes, one token at a time.
 template <int P>
-inline void decode_value_row_portable(const std::uint32_t* const* rows, int D, int token,
-                                      float* row) {
-  for (int c = 0; c < D; ++c) row[c] = code_float(plane_prefix<P>(rows, c, token));
+inline void decode_value_block_portable(const std::uint32_t* const* rows, int D, float* tile) {
+  constexpr int L = attention_block_tokens;
+  if constexpr (P <= 8) {
+    for (int t = 0; t < L; t += 4)
+      for (int c = 0; c < D; ++c) {
+        std::uint32_t x = 0;  // byte i: the code of token t + i
+        for (int j = 0; j < P; ++j) {
+          const std::uint32_t n = (rows[j][c] >> t) & 0xfu;
+          x = (x << 1) | ((n | n << 7 | n << 14 | n << 21) & 0x01010101u);
+        }
+        for (int i = 0; i < 4; ++i) tile[(t + i) * D + c] = code_float((x >> (8 * i)) & 0xffu);
+      }
+  } else {
+    for (int t = 0; t < L; ++t)
+      for (int c = 0; c < D; ++c) tile[t * D + c] = code_float(plane_prefix<P>(rows, c, t));
+  }
 }
 
 /// Scores of one 32-token block, lanes [la, lb), of the heads' folded queries
@@ -447,20 +463,18 @@ void accumulate_values_portable(const plane_kv_source<Plan, G>& src, std::int64_
   const int D = static_cast<int>(g.head_dim);
   const std::int64_t groups = g.value_channel_groups(), VG = g.value_group;
   float* odd = w.odd;
-  float* row = w.tile;
+  float* tile = w.tile;
   std::fill(acc, acc + heads * D, 0.0f);
   std::fill(odd, odd + heads * D, 0.0f);
   const std::uint32_t* rows[16];
   for (std::int64_t b = t0 / attention_block_tokens; b * attention_block_tokens < t1; ++b) {
     src.block_rows(false, kv_head, b, rows);
     const std::int64_t tb = b * attention_block_tokens;
-    for (std::int64_t t = std::max(tb, t0); t < std::min(tb + attention_block_tokens, t1); ++t) {
-      with_plane_count<Plan::bits>(src.planes, [&](auto p) {
-        decode_value_row_portable<p()>(rows, D, static_cast<int>(t - tb), row);
-      });
+    with_plane_count<Plan::bits>(src.planes,
+                                 [&](auto p) { decode_value_block_portable<p()>(rows, D, tile); });
+    for (std::int64_t t = std::max(tb, t0); t < std::min(tb + attention_block_tokens, t1); ++t)
       add_value_row_portable(t % 2 == 0 ? acc : odd, heads, D, groups, VG, w.weights + (t - t0),
-                             row);
-    }
+                             tile + (t - tb) * D);
   }
   for (std::int64_t i = 0; i < heads * D; ++i) acc[i] += odd[i];
   add_value_offsets(w.offsets, heads, D, groups, VG, acc);

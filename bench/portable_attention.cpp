@@ -12,8 +12,8 @@
 //            8 = 4 + 4, and the bf16 baseline (dense bf16 prompt)
 //   d8       8 q heads, 4 kv heads, head_dim 8 (stories260K's shape): all planes
 //            of 8 = 4 + 4, whose values the AVX-512 kernels leave to the loops
-// After the runs it prints each case's time and its ratio to portable_baseline
-// of the same case. Run with --benchmark_repetitions=N on a shared machine.
+// After the runs it prints each case's time and its ratios to portable_baseline
+// and to automatic of the same case. Run with --benchmark_repetitions=N on a shared machine.
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
@@ -154,14 +154,18 @@ int main(int argc, char** argv) {
 
   std::printf("\nDecode attention, baseline-ISA build, 1 query, %lld tokens, 1 thread (ms)\n",
               static_cast<long long>(tokens));
-  std::printf("%-14s %-7s %-18s %9s %14s\n", "prompt", "shape", "path", "time", "vs baseline");
+  std::printf("%-14s %-7s %-18s %9s %12s %13s\n", "prompt", "shape", "path", "time",
+              "vs baseline", "vs automatic");
   for (const auto& [prompt, s] : cases) {
     const double base = reporter.median(
         bench_name(prompt, *s, lynx::attention_path::portable_baseline) + "/real_time");
+    const double simd =
+        reporter.median(bench_name(prompt, *s, lynx::attention_path::automatic) + "/real_time");
     for (lynx::attention_path p : paths) {
       const double t = reporter.median(bench_name(prompt, *s, p) + "/real_time");
       if (std::isnan(t)) continue;
-      std::printf("%-14s %-7s %-18s %9.3f %13.2fx\n", prompt, s->name, path_name(p), t, t / base);
+      std::printf("%-14s %-7s %-18s %9.3f %11.4fx %12.2fx\n", prompt, s->name, path_name(p), t,
+                  t / base, t / simd);
     }
   }
   return 0;

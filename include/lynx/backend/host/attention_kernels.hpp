@@ -535,41 +535,30 @@ float dense_score(const float* q, const T* k, std::int64_t channel_stride, int D
   return lane[0];
 }
 
-/// dense_score of a contiguous key row against a query whose channels were put
-/// in lane order by dense_lane_order (bf16: the even channels of each 32, then
-/// the odd ones): the same lanes and order, a whole step of 16 lanes at a time
-/// so a compiler vectorizes it. A bf16 pair is read as one little-endian word.
+/// A contiguous row of D channels as floats in the lane order of dense_score:
+/// bf16 (read as little-endian words of two channels) puts the even channels of
+/// each 32 first, then the odd ones, so that out[i] belongs to lane i mod 16 up to
+/// the last whole 32; other types and bf16 on big-endian hosts keep channel order.
 template <class T>
-float dense_score_contiguous(const float* q_lanes, const T* k, int D) {
+void dense_lane_order(const T* x, int D, float* out) {
   constexpr int N = attention_reduction_lanes;
-  float lane[N] = {};
   int c = 0;
   if constexpr (std::is_same_v<T, bf16> && std::endian::native == std::endian::little) {
     for (; c + 2 * N <= D; c += 2 * N) {
       std::uint32_t word[N];
-      std::memcpy(word, k + c, sizeof(word));
-      for (int l = 0; l < N; ++l)
-        lane[l] = detail::fused_multiply_add(q_lanes[c + l], bits_float(word[l] << 16), lane[l]);
-      for (int l = 0; l < N; ++l)
-        lane[l] = detail::fused_multiply_add(q_lanes[c + N + l], bits_float(word[l] & 0xffff0000u),
-                                             lane[l]);
+      std::memcpy(word, x + c, sizeof(word));
+      for (int l = 0; l < N; ++l) {
+        out[c + l] = bits_float(word[l] << 16);
+        out[c + N + l] = bits_float(word[l] & 0xffff0000u);
+      }
     }
-  } else if constexpr (!std::is_same_v<T, bf16>) {
-    for (; c + N <= D; c += N)
-      for (int l = 0; l < N; ++l)
-        lane[l] = detail::fused_multiply_add(q_lanes[c + l], to_float(k[c + l]), lane[l]);
   }
-  for (; c < D; ++c)  // the channels past the last whole step (q_lanes is q there)
-    lane[dense_score_lane<T>(c)] =
-        detail::fused_multiply_add(q_lanes[c], to_float(k[c]), lane[dense_score_lane<T>(c)]);
-  for (int wdt = N / 2; wdt >= 1; wdt /= 2)
-    for (int l = 0; l < wdt; ++l) lane[l] += lane[l + wdt];
-  return lane[0];
+  for (; c < D; ++c) out[c] = to_float(x[c]);
 }
 
-/// q[D] in the channel order dense_score_contiguous reads it.
+/// The query's channels in the lane order of a key row of T (dense_lane_order).
 template <class T>
-void dense_lane_order(const float* q, int D, float* out) {
+void dense_query_lane_order(const float* q, int D, float* out) {
   constexpr int N = attention_reduction_lanes;
   int c = 0;
   if constexpr (std::is_same_v<T, bf16> && std::endian::native == std::endian::little)
@@ -578,22 +567,54 @@ void dense_lane_order(const float* q, int D, float* out) {
         out[c + l] = q[c + 2 * l];
         out[c + N + l] = q[c + 2 * l + 1];
       }
-  for (; c < D; ++c) out[c] = q[c];  // (bf16 on a big-endian host: all of them)
+  for (; c < D; ++c) out[c] = q[c];
+}
+
+/// Channels [0, this) are in lane order after dense_lane_order, the rest in channel order.
+template <class T>
+constexpr int dense_lane_ordered(int D) {
+  if constexpr (std::is_same_v<T, bf16> && std::endian::native == std::endian::little)
+    return D / (2 * attention_reduction_lanes) * (2 * attention_reduction_lanes);
+  else
+    return D / attention_reduction_lanes * attention_reduction_lanes;
+}
+
+/// dense_score of a query and a key row both in dense_lane_order: the same lanes
+/// and order, a whole step of 16 lanes at a time (so a compiler vectorizes it).
+template <class T>
+float dense_score_lanes(const float* q, const float* k, int D) {
+  constexpr int N = attention_reduction_lanes;
+  float lane[N] = {};
+  const int ordered = dense_lane_ordered<T>(D);
+  for (int c = 0; c < ordered; c += N)
+    for (int l = 0; l < N; ++l) lane[l] = detail::fused_multiply_add(q[c + l], k[c + l], lane[l]);
+  for (int c = ordered; c < D; ++c)
+    lane[dense_score_lane<T>(c)] =
+        detail::fused_multiply_add(q[c], k[c], lane[dense_score_lane<T>(c)]);
+  for (int wdt = N / 2; wdt >= 1; wdt /= 2)
+    for (int l = 0; l < wdt; ++l) lane[l] += lane[l + wdt];
+  return lane[0];
 }
 
 template <class T>
 void score_tokens_portable(const dense_kv_source<T>& src, std::int64_t kv_head, const float* q,
                            int heads, std::int64_t t0, std::int64_t t1, const split_scratch& w) {
   const int D = src.head_dim();
-  const bool contiguous = src.keys.channel_stride == 1;
-  if (contiguous)
-    for (int h = 0; h < heads; ++h) dense_lane_order<T>(q + h * D, D, w.qs + h * D);
+  if (src.keys.channel_stride != 1) {
+    for (std::int64_t t = t0; t < t1; ++t) {
+      const T* k = &src.keys(t, kv_head, 0);
+      for (int h = 0; h < heads; ++h)
+        w.scores[h * attention_split_tokens + (t - t0)] =
+            dense_score(q + h * D, k, src.keys.channel_stride, D);
+    }
+    return;
+  }
+  float* row = w.tile;
+  for (int h = 0; h < heads; ++h) dense_query_lane_order<T>(q + h * D, D, w.qs + h * D);
   for (std::int64_t t = t0; t < t1; ++t) {
-    const T* k = &src.keys(t, kv_head, 0);
+    dense_lane_order(&src.keys(t, kv_head, 0), D, row);
     for (int h = 0; h < heads; ++h)
-      w.scores[h * attention_split_tokens + (t - t0)] =
-          contiguous ? dense_score_contiguous(w.qs + h * D, k, D)
-                     : dense_score(q + h * D, k, src.keys.channel_stride, D);
+      w.scores[h * attention_split_tokens + (t - t0)] = dense_score_lanes<T>(w.qs + h * D, row, D);
   }
 }
 

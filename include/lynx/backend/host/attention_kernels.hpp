@@ -274,13 +274,34 @@ inline void add_value_offsets(const float* offsets, int heads, std::int64_t D, s
 template <class Source>
 void fold_queries_portable(const Source& src, std::int64_t kv_head, std::int64_t grp,
                            const float* q, int heads, const split_scratch& w) {
+  constexpr int N = attention_reduction_lanes;
   const layer_geometry& g = src.view.geometry;
   const int D = static_cast<int>(g.head_dim);
   const std::int64_t base = (kv_head * g.key_token_groups() + grp) * D;
-  for (int h = 0; h < heads; ++h)
-    w.bias[h] = fold_query_into_key_group(q + h * D, src.view.key_scale() + base,
-                                          src.view.key_zero() + base, D, src.level_unit(),
-                                          src.half(), w.qs + h * D);
+  const float* scale = src.view.key_scale() + base;
+  const float* zero = src.view.key_zero() + base;
+  const float unit = src.level_unit(), half = src.half();
+  // fold_query_into_key_group's operations, a step of 16 lanes at a time
+  for (int h = 0; h < heads; ++h) {
+    const float* qh = q + h * D;
+    float* LYNX_RESTRICT qs = w.qs + h * D;
+    float lane[N] = {};
+    int c = 0;
+    for (; c + N <= D; c += N)
+      for (int l = 0; l < N; ++l) {
+        qs[c + l] = qh[c + l] * (scale[c + l] * unit);
+        lane[l] = detail::fused_multiply_add(
+            qh[c + l], detail::fused_multiply_add(scale[c + l], half, zero[c + l]), lane[l]);
+      }
+    for (; c < D; ++c) {
+      qs[c] = qh[c] * (scale[c] * unit);
+      lane[c % N] = detail::fused_multiply_add(
+          qh[c], detail::fused_multiply_add(scale[c], half, zero[c]), lane[c % N]);
+    }
+    for (int wdt = N / 2; wdt >= 1; wdt /= 2)
+      for (int l = 0; l < wdt; ++l) lane[l] += lane[l + wdt];
+    w.bias[h] = lane[0];
+  }
 }
 
 /// One value token of the portable value sums: sums[h][c] += weight[h][grp(c)] *
@@ -288,13 +309,19 @@ void fold_queries_portable(const Source& src, std::int64_t kv_head, std::int64_t
 /// t0), row: its codes as floats. The channel loops are contiguous, so a compiler
 /// vectorizes them.
 inline void add_value_row_portable(float* sums, int heads, int D, std::int64_t groups,
-                                   std::int64_t VG, const float* wt, const float* row) {
+                                   std::int64_t VG, const float* wt,
+                                   const float* LYNX_RESTRICT row) {
+  constexpr int N = attention_reduction_lanes;
   for (int h = 0; h < heads; ++h)
     for (std::int64_t grp = 0; grp < groups; ++grp) {
       const float weight = wt[(h * groups + grp) * attention_split_tokens];
-      float* sum = sums + h * D;
-      for (std::int64_t c = grp * VG; c < std::min<std::int64_t>(D, (grp + 1) * VG); ++c)
-        sum[c] = detail::fused_multiply_add(weight, row[c], sum[c]);
+      float* LYNX_RESTRICT sum = sums + h * D;
+      std::int64_t c = grp * VG;
+      const std::int64_t end = std::min<std::int64_t>(D, (grp + 1) * VG);
+      for (; c + N <= end; c += N)  // whole steps: no loop overhead per group
+        for (int l = 0; l < N; ++l)
+          sum[c + l] = detail::fused_multiply_add(weight, row[c + l], sum[c + l]);
+      for (; c < end; ++c) sum[c] = detail::fused_multiply_add(weight, row[c], sum[c]);
     }
 }
 
@@ -426,16 +453,26 @@ void value_weights_portable(const Source& src, std::int64_t kv_head, int heads, 
   const float unit = src.level_unit(), half = src.half();
   const float* vs = src.view.value_scale() + kv_head * g.tokens * groups;
   const float* vz = src.view.value_zero() + kv_head * g.tokens * groups;
+  constexpr int N = attention_reduction_lanes;
   for (int h = 0; h < heads; ++h)
     for (std::int64_t grp = 0; grp < groups; ++grp) {
       const float* p = w.scores + h * attention_split_tokens;
-      float* out = w.weights + (h * groups + grp) * attention_split_tokens;
-      float lane[attention_reduction_lanes] = {};
-      for (std::int64_t t = t0; t < t1; ++t) {
+      float* LYNX_RESTRICT out = w.weights + (h * groups + grp) * attention_split_tokens;
+      float lane[N] = {};
+      std::int64_t t = t0;
+      for (; t + N <= t1; t += N)  // a step of 16 lanes at a time (vectorizes)
+        for (int l = 0; l < N; ++l) {
+          const std::int64_t i = t + l;
+          const value_token_weight vw =
+              fold_value_token(p[i - t0], vs[i * groups + grp], vz[i * groups + grp], unit, half);
+          out[i - t0] = vw.weight;
+          lane[l] = value_offset_step(lane[l], p[i - t0], vw.shift);
+        }
+      for (; t < t1; ++t) {
         const value_token_weight vw =
             fold_value_token(p[t - t0], vs[t * groups + grp], vz[t * groups + grp], unit, half);
         out[t - t0] = vw.weight;
-        float& sum = lane[(t - t0) % attention_reduction_lanes];
+        float& sum = lane[(t - t0) % N];
         sum = value_offset_step(sum, p[t - t0], vw.shift);
       }
       for (int wdt = attention_reduction_lanes / 2; wdt >= 1; wdt /= 2)

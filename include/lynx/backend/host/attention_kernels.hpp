@@ -325,6 +325,50 @@ inline void add_value_row_portable(float* sums, int heads, int D, std::int64_t g
     }
 }
 
+/// Tokens [ta, tz) of a tile of rows (rows[t - ta][D], codes as floats) added to
+/// the value sums (acc: even tokens, odd: odd tokens), as add_value_row_portable
+/// token by token, but 16 channels of one head at a time over all the tokens:
+/// the 16-lane even and odd sums stay in registers and each step is two fused
+/// multiply-adds. wt: the weights of token ta (w.weights + ta - t0). Needs head_dim
+/// and the value group to be multiples of 16; otherwise a row at a time.
+inline void add_value_tile_portable(float* acc, float* odd, int heads, int D, std::int64_t groups,
+                                    std::int64_t VG, const float* wt, const float* rows,
+                                    std::int64_t ta, std::int64_t tz) {
+  constexpr int N = attention_reduction_lanes;
+  if (D % N != 0 || VG % N != 0) {
+    for (std::int64_t t = ta; t < tz; ++t)
+      add_value_row_portable(t % 2 == 0 ? acc : odd, heads, D, groups, VG, wt + (t - ta),
+                             rows + (t - ta) * D);
+    return;
+  }
+  for (int h = 0; h < heads; ++h)
+    for (int c0 = 0; c0 < D; c0 += N) {
+      const float* weight = wt + (h * groups + c0 / VG) * attention_split_tokens;
+      float* LYNX_RESTRICT sum[2] = {acc + h * D + c0, odd + h * D + c0};
+      float e[N], o[N];
+      for (int l = 0; l < N; ++l) {
+        e[l] = sum[ta % 2][l];
+        o[l] = sum[1 - ta % 2][l];
+      }
+      // e: the sums of tokens of ta's parity, o: the others
+      const float* row = rows + c0;
+      std::int64_t t = ta;
+      for (; t + 2 <= tz; t += 2, row += 2 * D) {
+        const float we = weight[t - ta], wo = weight[t + 1 - ta];
+        for (int l = 0; l < N; ++l) {
+          e[l] = detail::fused_multiply_add(we, row[l], e[l]);
+          o[l] = detail::fused_multiply_add(wo, row[D + l], o[l]);
+        }
+      }
+      if (t < tz)
+        for (int l = 0; l < N; ++l) e[l] = detail::fused_multiply_add(weight[t - ta], row[l], e[l]);
+      for (int l = 0; l < N; ++l) {
+        sum[ta % 2][l] = e[l];
+        sum[1 - ta % 2][l] = o[l];
+      }
+    }
+}
+
 /// The float of a code (codes are below 2^16: the signed conversion, which
 /// every SIMD instruction set has, is exact); a decoded code is one already.
 template <class Code>
@@ -509,9 +553,9 @@ void accumulate_values_portable(const plane_kv_source<Plan, G>& src, std::int64_
     const std::int64_t tb = b * attention_block_tokens;
     with_plane_count<Plan::bits>(src.planes,
                                  [&](auto p) { decode_value_block_portable<p()>(rows, D, tile); });
-    for (std::int64_t t = std::max(tb, t0); t < std::min(tb + attention_block_tokens, t1); ++t)
-      add_value_row_portable(t % 2 == 0 ? acc : odd, heads, D, groups, VG, w.weights + (t - t0),
-                             tile + (t - tb) * D);
+    const std::int64_t ta = std::max(tb, t0), tz = std::min(tb + attention_block_tokens, t1);
+    add_value_tile_portable(acc, odd, heads, D, groups, VG, w.weights + (ta - t0),
+                            tile + (ta - tb) * D, ta, tz);
   }
   for (std::int64_t i = 0; i < heads * D; ++i) acc[i] += odd[i];
   add_value_offsets(w.offsets, heads, D, groups, VG, acc);
@@ -535,14 +579,14 @@ void accumulate_values_portable(const code_kv_source<View>& src, std::int64_t kv
   const int D = static_cast<int>(g.head_dim);
   const std::int64_t groups = g.value_channel_groups(), VG = g.value_group;
   float* odd = w.odd;
-  float* codes = w.tile;
+  float* tile = w.tile;  // the codes of up to 32 tokens as floats
   std::fill(acc, acc + heads * D, 0.0f);
   std::fill(odd, odd + heads * D, 0.0f);
-  for (std::int64_t t = t0; t < t1; ++t) {
-    const auto* row = src.view.value_row(kv_head, t);
-    for (int c = 0; c < D; ++c) codes[c] = code_float(row[c]);
-    add_value_row_portable(t % 2 == 0 ? acc : odd, heads, D, groups, VG, w.weights + (t - t0),
-                           codes);
+  for (std::int64_t ta = t0; ta < t1; ta += attention_block_tokens) {
+    const std::int64_t tz = std::min(ta + attention_block_tokens, t1);
+    const auto* codes = src.view.value_row(kv_head, ta);  // rows of consecutive tokens
+    for (std::int64_t i = 0; i < (tz - ta) * D; ++i) tile[i] = code_float(codes[i]);
+    add_value_tile_portable(acc, odd, heads, D, groups, VG, w.weights + (ta - t0), tile, ta, tz);
   }
   for (std::int64_t i = 0; i < heads * D; ++i) acc[i] += odd[i];
   add_value_offsets(w.offsets, heads, D, groups, VG, acc);

@@ -1,8 +1,10 @@
 // Per-tile math of decode attention, shared by every backend (host SIMD,
 // host portable, CUDA): the fixed split of a context, the exp2 both backends
-// evaluate, the folding of a query into a key group, the score of a query
-// against one token of a 32-token block read from plane words, the weights of
-// one value token, and the online-softmax merge of two partial states.
+// evaluate, the folding of a query into a key group (a key's score is then
+// bias + sum_c qs[c] * float(k_c): the channel sum starts at 0 and runs in
+// channel order, one fused multiply-add per channel, and the bias is added
+// last), the weights of one value token, and the online-softmax merge of two
+// partial states.
 //
 // Scores live in the log2 domain: s2 = logit * log2(e), p = exp2(s2 - m).
 // A partial state over a set of tokens is (m, l, acc[D]) with
@@ -77,23 +79,6 @@ LYNX_HOST_DEVICE float fold_query_into_key_group(const float* q, const float* sc
   for (int w = attention_reduction_lanes / 2; w >= 1; w /= 2)
     for (int l = 0; l < w; ++l) lane[l] += lane[l + w];
   return lane[0];
-}
-
-/// Score of one token of a 32-token block against a folded query: the channel
-/// sum starts at 0 and runs in channel order, one fused multiply-add per
-/// channel; the bias is added last (so SIMD kernels start the sums before the
-/// bias's reduction is done).
-/// plane_rows[j] points at plane j's words [head_dim] of this block.
-LYNX_HOST_DEVICE float key_token_score(const float* qs, float bias,
-                                       const std::uint32_t* const* plane_rows, int planes,
-                                       int head_dim, int token) {
-  float s = 0.0f;
-  for (int c = 0; c < head_dim; ++c) {
-    std::uint32_t code = 0;
-    for (int j = 0; j < planes; ++j) code = (code << 1) | token_bit(plane_rows[j][c], token);
-    s = detail::fused_multiply_add(qs[c], static_cast<float>(code), s);
-  }
-  return s + bias;
 }
 
 /// Weights of one value token of one channel group: the output gains

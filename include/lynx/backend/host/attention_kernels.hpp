@@ -431,7 +431,7 @@ inline void decode_value_block_portable(const std::uint32_t* const* rows, int D,
 /// Scores of one 32-token block, lanes [la, lb), of the heads' folded queries
 /// (w.qs, w.bias) against tile[c][32] (lane = token; floats or codes):
 /// out[h * S + l] = bias[h] + sum_c qs[h][c] * tile[c][l], the sum starting at 0
-/// in channel order (key_token_score's operations, all 32 lanes at once).
+/// in channel order (tile_math.hpp), all 32 lanes at once.
 template <class K>
 void score_block_portable(const K* tile, int D, int heads, const split_scratch& w, float* out,
                           int la, int lb) {

@@ -429,12 +429,12 @@ inline void decode_value_block_portable(const std::uint32_t* const* rows, int D,
 }
 
 /// Scores of one 32-token block, lanes [la, lb), of the heads' folded queries
-/// (w.qs, w.bias) against tile[c][32] (lane = token; floats or codes):
-/// out[h * S + l] = bias[h] + sum_c qs[h][c] * tile[c][l], the sum starting at 0
+/// (w.qs, w.bias) against tile[c][32] (lane = token; floats or codes), lane l
+/// into w.scores[h * S + first + l]: bias[h] + sum_c qs[h][c] * tile[c][l], the sum starting at 0
 /// in channel order (tile_math.hpp), all 32 lanes at once.
 template <class K>
-void score_block_portable(const K* tile, int D, int heads, const split_scratch& w, float* out,
-                          int la, int lb) {
+void score_block_portable(const K* tile, int D, int heads, const split_scratch& w,
+                          std::int64_t first, int la, int lb) {
   constexpr int L = attention_block_tokens;
   for (int h = 0; h < heads; ++h) {
     const float* qs = w.qs + h * D;
@@ -444,7 +444,8 @@ void score_block_portable(const K* tile, int D, int heads, const split_scratch& 
       const K* k = tile + c * L;
       for (int l = 0; l < L; ++l) s[l] = detail::fused_multiply_add(qc, code_float(k[l]), s[l]);
     }
-    for (int l = la; l < lb; ++l) out[h * attention_split_tokens + l] = s[l] + w.bias[h];
+    for (int l = la; l < lb; ++l)
+      w.scores[h * attention_split_tokens + first + l] = s[l] + w.bias[h];
   }
 }
 
@@ -458,13 +459,15 @@ void score_blocks_portable(const Source& src, std::int64_t kv_head, const float*
   const layer_geometry& g = src.view.geometry;
   const int D = static_cast<int>(g.head_dim);
   const std::int64_t KG = g.key_group;
+  std::int64_t folded_group = -1;
   for (std::int64_t b = t0 / attention_block_tokens; b * attention_block_tokens < t1; ++b) {
     const std::int64_t tb = b * attention_block_tokens;
     const auto* tile = decode_block(b);
     for (std::int64_t a = std::max(tb, t0); a < std::min(tb + attention_block_tokens, t1);) {
       const std::int64_t e = std::min({(a / KG + 1) * KG, tb + attention_block_tokens, t1});
-      fold_queries_portable(src, kv_head, a / KG, q, heads, w);
-      score_block_portable(tile, D, heads, w, w.scores + (tb - t0), static_cast<int>(a - tb),
+      if (a / KG != folded_group)
+        fold_queries_portable(src, kv_head, folded_group = a / KG, q, heads, w);
+      score_block_portable(tile, D, heads, w, tb - t0, static_cast<int>(a - tb),
                            static_cast<int>(e - tb));
       a = e;
     }

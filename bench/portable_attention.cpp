@@ -154,8 +154,8 @@ int main(int argc, char** argv) {
 
   std::printf("\nDecode attention, baseline-ISA build, 1 query, %lld tokens, 1 thread (ms)\n",
               static_cast<long long>(tokens));
-  std::printf("%-14s %-7s %-18s %9s %12s %13s\n", "prompt", "shape", "path", "time",
-              "vs baseline", "vs automatic");
+  std::printf("%-14s %-7s %-18s %9s %12s %13s\n", "prompt", "shape", "path", "time", "vs baseline",
+              "vs automatic");
   for (const auto& [prompt, s] : cases) {
     const double base = reporter.median(
         bench_name(prompt, *s, lynx::attention_path::portable_baseline) + "/real_time");

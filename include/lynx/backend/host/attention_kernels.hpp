@@ -274,34 +274,13 @@ inline void add_value_offsets(const float* offsets, int heads, std::int64_t D, s
 template <class Source>
 void fold_queries_portable(const Source& src, std::int64_t kv_head, std::int64_t grp,
                            const float* q, int heads, const split_scratch& w) {
-  constexpr int N = attention_reduction_lanes;
   const layer_geometry& g = src.view.geometry;
   const int D = static_cast<int>(g.head_dim);
   const std::int64_t base = (kv_head * g.key_token_groups() + grp) * D;
-  const float* scale = src.view.key_scale() + base;
-  const float* zero = src.view.key_zero() + base;
-  const float unit = src.level_unit(), half = src.half();
-  // fold_query_into_key_group's operations, a step of 16 lanes at a time
-  for (int h = 0; h < heads; ++h) {
-    const float* qh = q + h * D;
-    float* LYNX_RESTRICT qs = w.qs + h * D;
-    float lane[N] = {};
-    int c = 0;
-    for (; c + N <= D; c += N)
-      for (int l = 0; l < N; ++l) {
-        qs[c + l] = qh[c + l] * (scale[c + l] * unit);
-        lane[l] = detail::fused_multiply_add(
-            qh[c + l], detail::fused_multiply_add(scale[c + l], half, zero[c + l]), lane[l]);
-      }
-    for (; c < D; ++c) {
-      qs[c] = qh[c] * (scale[c] * unit);
-      lane[c % N] = detail::fused_multiply_add(
-          qh[c], detail::fused_multiply_add(scale[c], half, zero[c]), lane[c % N]);
-    }
-    for (int wdt = N / 2; wdt >= 1; wdt /= 2)
-      for (int l = 0; l < wdt; ++l) lane[l] += lane[l + wdt];
-    w.bias[h] = lane[0];
-  }
+  for (int h = 0; h < heads; ++h)
+    w.bias[h] = fold_query_into_key_group(q + h * D, src.view.key_scale() + base,
+                                          src.view.key_zero() + base, D, src.level_unit(),
+                                          src.half(), w.qs + h * D);
 }
 
 /// One value token of the portable value sums: sums[h][c] += weight[h][grp(c)] *
@@ -522,9 +501,7 @@ void value_weights_portable(const Source& src, std::int64_t kv_head, int heads, 
         float& sum = lane[(t - t0) % N];
         sum = value_offset_step(sum, p[t - t0], vw.shift);
       }
-      for (int wdt = attention_reduction_lanes / 2; wdt >= 1; wdt /= 2)
-        for (int l = 0; l < wdt; ++l) lane[l] += lane[l + wdt];
-      w.offsets[h * groups + grp] = lane[0];
+      w.offsets[h * groups + grp] = reduce_lanes(lane);
       // tokens past t1 in the last block weigh 0 (the kernels walk whole blocks)
       for (std::int64_t t = t1;
            t < (t1 + attention_block_tokens - 1) / attention_block_tokens * attention_block_tokens;
@@ -614,9 +591,7 @@ float dense_score(const float* q, const T* k, std::int64_t channel_stride, int D
   for (int c = 0; c < D; ++c)
     lane[dense_score_lane<T>(c)] = detail::fused_multiply_add(q[c], to_float(k[c * channel_stride]),
                                                               lane[dense_score_lane<T>(c)]);
-  for (int wdt = attention_reduction_lanes / 2; wdt >= 1; wdt /= 2)
-    for (int l = 0; l < wdt; ++l) lane[l] += lane[l + wdt];
-  return lane[0];
+  return reduce_lanes(lane);
 }
 
 /// A contiguous row of D channels as floats in the lane order of dense_score:
@@ -675,9 +650,7 @@ float dense_score_lanes(const float* q, const float* k, int D) {
   for (int c = ordered; c < D; ++c)
     lane[dense_score_lane<T>(c)] =
         detail::fused_multiply_add(q[c], k[c], lane[dense_score_lane<T>(c)]);
-  for (int wdt = N / 2; wdt >= 1; wdt /= 2)
-    for (int l = 0; l < wdt; ++l) lane[l] += lane[l + wdt];
-  return lane[0];
+  return reduce_lanes(lane);
 }
 
 template <class T>
@@ -793,9 +766,7 @@ LYNX_ATTENTION_AVX512_TARGET inline float exp2_shifted_sum_avx512(float* s, std:
   }
   alignas(64) float r[16];
   _mm512_store_ps(r, lane);
-  for (int w = 8; w >= 1; w /= 2)
-    for (int l = 0; l < w; ++l) r[l] += r[l + w];
-  return r[0];
+  return reduce_lanes(r);
 }
 
 /// fold_query_into_key_group for `heads` queries q[h][D] against one key group,

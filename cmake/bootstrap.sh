@@ -4,10 +4,18 @@
 #   build-essential cmake ninja-build git pkg-config   toolchain
 #   doctest-dev libbenchmark-dev libxxhash-dev        tests, benchmarks, checksums
 #   libucx-dev iproute2                               UCX transport adapter; network namespaces for the slow-link bench
+# With --aarch64 also (the ARM cross check, `cmake --workflow --preset aarch64`):
+#   g++-aarch64-linux-gnu qemu-user                   cross compiler; runs the ARM tests
 # The CUDA toolkit is optional and not installed here (nvcc enables lynx::cuda).
 set -euo pipefail
 
 packages=(build-essential cmake ninja-build git pkg-config doctest-dev libbenchmark-dev libxxhash-dev libucx-dev iproute2)
+for arg in "$@"; do
+  case "$arg" in
+    --aarch64) packages+=(g++-aarch64-linux-gnu qemu-user) ;;
+    *) echo "bootstrap: unknown option '$arg' (known: --aarch64)" >&2; exit 2 ;;
+  esac
+done
 
 missing=()
 for pkg in "${packages[@]}"; do

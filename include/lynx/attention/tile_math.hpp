@@ -42,8 +42,13 @@ inline constexpr float attention_neg_inf = -__builtin_huge_valf();
 ///   in Horner form with fused multiply-adds, 2^n by building the exponent.
 /// The host SIMD kernels evaluate exactly these operations lane by lane, so
 /// every backend gets the same bits.
+/// Written without a branch: an input that gives 0 is replaced by +0 and its
+/// result masked to +0 at the end, by AND on the bits. A select (?:) would do the
+/// same, but GCC turns it into a jump around the trapping float-to-int conversion
+/// and then, under the default -ftrapping-math, vectorizes no loop of it.
 LYNX_HOST_DEVICE float attention_exp2(float x) {
-  if (!(x > -126.0f)) return 0.0f;
+  const std::uint32_t keep = 0u - static_cast<std::uint32_t>(x > -126.0f);  // 0: NaN, -inf too
+  x = detail::bits_float(detail::float_bits(x) & keep);
   constexpr float round_magic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
   const float n = (x + round_magic) - round_magic;
   const float f = x - n;
@@ -56,7 +61,7 @@ LYNX_HOST_DEVICE float attention_exp2(float x) {
   p = detail::fused_multiply_add(p, f, 6.9314718055994531e-01f);
   p = detail::fused_multiply_add(p, f, 1.0f);
   const std::uint32_t bits = static_cast<std::uint32_t>(static_cast<std::int32_t>(n) + 127) << 23;
-  return p * detail::bits_float(bits);
+  return detail::bits_float(detail::float_bits(p * detail::bits_float(bits)) & keep);
 }
 
 /// The halving tree that ends every fixed-order sum: lane l += lane l + 8, then

@@ -376,12 +376,38 @@ inline std::uint32_t plane_prefix(const std::uint32_t* const* rows, int c, int t
   return code;
 }
 
-/// Codes of one 32-token block of P planes as floats, tile[c][32] (lane = token).
+/// Lane of token t (0..31) of a block in a key tile decoded by nibbles
+/// (decode_key_tile_portable, up to 8 planes): token 4q + i is in lane 8i + q.
+inline int nibble_lane(int t) { return 8 * (t % 4) + t / 4; }
+
+/// Codes of one 32-token block of P planes as floats, tile[c][32], a lane per
+/// token: up to 8 planes in the nibble order (nibble_lane), else lane = token.
+/// By nibbles, as the values: nibble q of each plane word holds the bits of
+/// tokens 4q..4q+3, spread to one bit per byte and shifted into a byte per token
+/// (the 8 nibbles of a channel are the SIMD lanes); byte i of nibble q's word is
+/// token 4q + i, written to lane 8i + q so that the stores stay contiguous.
 template <int P>
 inline void decode_key_tile_portable(const std::uint32_t* const* rows, int D, float* tile) {
   constexpr int L = attention_block_tokens;
-  for (int c = 0; c < D; ++c)
-    for (int l = 0; l < L; ++l) tile[c * L + l] = code_float(plane_prefix<P>(rows, c, l));
+  if constexpr (P <= 8) {
+    for (int c = 0; c < D; ++c) {
+      std::uint32_t x[L / 4];  // byte i of x[q]: the code of token 4q + i
+      for (int q = 0; q < L / 4; ++q) {
+        std::uint32_t v = 0;
+        for (int j = 0; j < P; ++j) {
+          const std::uint32_t n = (rows[j][c] >> (4 * q)) & 0xfu;
+          v = (v << 1) | ((n | n << 7 | n << 14 | n << 21) & 0x01010101u);
+        }
+        x[q] = v;
+      }
+      for (int i = 0; i < 4; ++i)
+        for (int q = 0; q < L / 4; ++q)
+          tile[c * L + 8 * i + q] = code_float((x[q] >> (8 * i)) & 0xffu);
+    }
+  } else {
+    for (int c = 0; c < D; ++c)
+      for (int l = 0; l < L; ++l) tile[c * L + l] = code_float(plane_prefix<P>(rows, c, l));
+  }
 }
 
 /// Codes of the 32 tokens of a block of P planes as floats, tile[t][D] (lane =
@@ -407,13 +433,14 @@ inline void decode_value_block_portable(const std::uint32_t* const* rows, int D,
   }
 }
 
-/// Scores of one 32-token block, lanes [la, lb), of the heads' folded queries
-/// (w.qs, w.bias) against tile[c][32] (lane = token; floats or codes), lane l
-/// into w.scores[h * S + first + l]: bias[h] + sum_c qs[h][c] * tile[c][l], the sum starting at 0
-/// in channel order (tile_math.hpp), all 32 lanes at once.
+/// Scores of tokens [la, lb) of one 32-token block, of the heads' folded queries
+/// (w.qs, w.bias) against tile[c][32] (a lane per token: lane = token, or
+/// nibble_lane(token) if `nibble_order`; floats or codes), token t into
+/// w.scores[h * S + first + t]: bias[h] + sum_c qs[h][c] * tile[c][lane], the sum
+/// starting at 0 in channel order (tile_math.hpp), all 32 lanes at once.
 template <class K>
 void score_block_portable(const K* tile, int D, int heads, const split_scratch& w,
-                          std::int64_t first, int la, int lb) {
+                          std::int64_t first, int la, int lb, bool nibble_order) {
   constexpr int L = attention_block_tokens;
   for (int h = 0; h < heads; ++h) {
     const float* qs = w.qs + h * D;
@@ -423,18 +450,23 @@ void score_block_portable(const K* tile, int D, int heads, const split_scratch& 
       const K* k = tile + c * L;
       for (int l = 0; l < L; ++l) s[l] = detail::fused_multiply_add(qc, code_float(k[l]), s[l]);
     }
-    for (int l = la; l < lb; ++l)
-      w.scores[h * attention_split_tokens + first + l] = s[l] + w.bias[h];
+    float* out = w.scores + h * attention_split_tokens + first;
+    if (nibble_order)
+      for (int t = la; t < lb; ++t) out[t] = s[nibble_lane(t)] + w.bias[h];
+    else
+      for (int t = la; t < lb; ++t) out[t] = s[t] + w.bias[h];
   }
 }
 
 /// Logits of tokens [t0, t1) of a plane or code prompt: scores[h][t - t0]. A block
 /// is decoded once (plane source) for all heads, and scored once per key group
 /// it holds (key groups of fewer than 32 tokens: a block holds several).
+/// decode_block(b) returns block b's tile; its lanes are in nibble order if
+/// `nibble_order`.
 template <class Source, class DecodeBlock>
 void score_blocks_portable(const Source& src, std::int64_t kv_head, const float* q, int heads,
                            std::int64_t t0, std::int64_t t1, const split_scratch& w,
-                           DecodeBlock&& decode_block) {
+                           bool nibble_order, DecodeBlock&& decode_block) {
   const layer_geometry& g = src.view.geometry;
   const int D = static_cast<int>(g.head_dim);
   const std::int64_t KG = g.key_group;
@@ -447,7 +479,7 @@ void score_blocks_portable(const Source& src, std::int64_t kv_head, const float*
       if (a / KG != folded_group)
         fold_queries_portable(src, kv_head, folded_group = a / KG, q, heads, w);
       score_block_portable(tile, D, heads, w, tb - t0, static_cast<int>(a - tb),
-                           static_cast<int>(e - tb));
+                           static_cast<int>(e - tb), nibble_order);
       a = e;
     }
   }
@@ -459,7 +491,7 @@ void score_tokens_portable(const plane_kv_source<Plan, G>& src, std::int64_t kv_
                            const float* q, int heads, std::int64_t t0, std::int64_t t1,
                            const split_scratch& w) {
   const int D = static_cast<int>(src.view.geometry.head_dim);
-  score_blocks_portable(src, kv_head, q, heads, t0, t1, w, [&](std::int64_t b) {
+  score_blocks_portable(src, kv_head, q, heads, t0, t1, w, src.planes <= 8, [&](std::int64_t b) {
     const std::uint32_t* rows[16];
     src.block_rows(true, kv_head, b, rows);
     with_plane_count<Plan::bits>(src.planes,
@@ -546,7 +578,7 @@ void accumulate_values_portable(const plane_kv_source<Plan, G>& src, std::int64_
 template <class View>
 void score_tokens_portable(const code_kv_source<View>& src, std::int64_t kv_head, const float* q,
                            int heads, std::int64_t t0, std::int64_t t1, const split_scratch& w) {
-  score_blocks_portable(src, kv_head, q, heads, t0, t1, w,
+  score_blocks_portable(src, kv_head, q, heads, t0, t1, w, false,
                         [&](std::int64_t b) { return src.view.key_block(kv_head, b); });
 }
 

@@ -410,14 +410,64 @@ inline void decode_key_tile_portable(const std::uint32_t* const* rows, int D, fl
   }
 }
 
+/// Exchanges bit b + s of each byte of a with bit b of the same byte of b
+/// (b mod s < s; m: those bits b): one delta swap.
+inline void swap_bits(std::uint32_t& a, std::uint32_t& b, int s, std::uint32_t m) {
+  const std::uint32_t t = ((a >> s) ^ b) & m;
+  b ^= t;
+  a ^= t << s;
+}
+
+/// Transposes the four 8x8 bit matrices held by bytes 0..3 of r0..r7 (row i: r_i):
+/// on return, bit k of byte g of r_i is what bit i of byte g of r_k was. Delta
+/// swaps of the off-diagonal blocks of 4, 2, then 1 rows, written out so that a
+/// loop around it vectorizes.
+inline void transpose_bytes_8x8(std::uint32_t* r) {
+  constexpr std::uint32_t m4 = 0x0f0f0f0fu, m2 = 0x33333333u, m1 = 0x55555555u;
+  swap_bits(r[0], r[4], 4, m4), swap_bits(r[1], r[5], 4, m4);
+  swap_bits(r[2], r[6], 4, m4), swap_bits(r[3], r[7], 4, m4);
+  swap_bits(r[0], r[2], 2, m2), swap_bits(r[1], r[3], 2, m2);
+  swap_bits(r[4], r[6], 2, m2), swap_bits(r[5], r[7], 2, m2);
+  swap_bits(r[0], r[1], 1, m1), swap_bits(r[2], r[3], 1, m1);
+  swap_bits(r[4], r[5], 1, m1), swap_bits(r[6], r[7], 1, m1);
+}
+
+/// decode_value_block_portable for P <= 8 planes and a head_dim D known at
+/// compile time (so that a compiler sees the 32 token rows of the tile do not
+/// overlap and vectorizes over channels). A channel's P plane words are an
+/// 8 x 32 bit matrix (a row per plane, plane 0 as row 7, absent planes 0; a
+/// column per token); transposing its four 8x8 blocks leaves the code of token
+/// 8g + i, shifted to 8 bits, in byte g of word i.
+template <int P, int D>
+inline void decode_value_block_transposed(const std::uint32_t* const* rows,
+                                          float* LYNX_RESTRICT tile) {
+  static_assert(P >= 1 && P <= 8);
+  constexpr int L = attention_block_tokens;
+  const std::uint32_t* row[P];
+  for (int j = 0; j < P; ++j) row[j] = rows[j];
+  for (int c = 0; c < D; ++c) {
+    std::uint32_t r[8];
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) r[i] = 7 - i < P ? row[(7 - i) % P][c] : 0u;
+    transpose_bytes_8x8(r);
+#pragma GCC unroll 32
+    for (int t = 0; t < L; ++t)
+      tile[t * D + c] = code_float(((r[t % 8] >> (8 * (t / 8))) & 0xffu) >> (8 - P));
+  }
+}
+
 /// Codes of the 32 tokens of a block of P planes as floats, tile[t][D] (lane =
-/// channel). Up to 8 planes, four tokens at a time: each plane word gives the
-/// four tokens' bits (a nibble), spread to one bit per byte and shifted into
-/// a byte per token; more planes, one token at a time.
+/// channel). Up to 8 planes: for head_dim 64, 128 and 256 by bit-matrix
+/// transposes (decode_value_block_transposed); else four tokens at a time, each
+/// plane word giving the four tokens' bits (a nibble), spread to one bit per
+/// byte and shifted into a byte per token. More planes, one token at a time.
 template <int P>
 inline void decode_value_block_portable(const std::uint32_t* const* rows, int D, float* tile) {
   constexpr int L = attention_block_tokens;
   if constexpr (P <= 8) {
+    if (D == 64) return decode_value_block_transposed<P, 64>(rows, tile);
+    if (D == 128) return decode_value_block_transposed<P, 128>(rows, tile);
+    if (D == 256) return decode_value_block_transposed<P, 256>(rows, tile);
     for (int t = 0; t < L; t += 4)
       for (int c = 0; c < D; ++c) {
         std::uint32_t x = 0;  // byte i: the code of token t + i

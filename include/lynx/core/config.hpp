@@ -19,6 +19,17 @@
 #define LYNX_DEVICE_CODE 0
 #endif
 
+// LYNX_UNROLL(n): unroll the next loop n times, where the compiler takes a hint
+// (host loops that must unroll fully for the loop around them to vectorize).
+#define LYNX_PRAGMA(text) _Pragma(#text)
+#if defined(__CUDACC__) || !(defined(__GNUC__) || defined(__clang__))
+#define LYNX_UNROLL(n)
+#elif defined(__clang__)
+#define LYNX_UNROLL(n) LYNX_PRAGMA(unroll n)
+#else
+#define LYNX_UNROLL(n) LYNX_PRAGMA(GCC unroll n)
+#endif
+
 #if defined(__GNUC__) || defined(__clang__)
 #define LYNX_RESTRICT __restrict__
 #define LYNX_ALWAYS_INLINE inline __attribute__((always_inline))

@@ -376,6 +376,11 @@ inline std::uint32_t plane_prefix(const std::uint32_t* const* rows, int c, int t
   return code;
 }
 
+/// Four bits n (tokens 4q..4q+3 of a plane word) spread to bit 0 of bytes 0..3.
+inline std::uint32_t spread_nibble(std::uint32_t n) {
+  return (n | n << 7 | n << 14 | n << 21) & 0x01010101u;
+}
+
 /// Lane of token t (0..31) of a block in a key tile decoded by nibbles
 /// (decode_key_tile_portable, up to 8 planes): token 4q + i is in lane 8i + q.
 inline int nibble_lane(int t) { return 8 * (t % 4) + t / 4; }
@@ -395,8 +400,7 @@ inline void decode_key_tile_portable(const std::uint32_t* const* rows, int D, fl
       for (int q = 0; q < L / 4; ++q) {
         std::uint32_t v = 0;
         for (int j = 0; j < P; ++j) {
-          const std::uint32_t n = (rows[j][c] >> (4 * q)) & 0xfu;
-          v = (v << 1) | ((n | n << 7 | n << 14 | n << 21) & 0x01010101u);
+          v = (v << 1) | spread_nibble((rows[j][c] >> (4 * q)) & 0xfu);
         }
         x[q] = v;
       }
@@ -410,8 +414,8 @@ inline void decode_key_tile_portable(const std::uint32_t* const* rows, int D, fl
   }
 }
 
-/// Exchanges bit b + s of each byte of a with bit b of the same byte of b
-/// (b mod s < s; m: those bits b): one delta swap.
+/// Exchanges bit b + s of each byte of a with bit b of the same byte of b, for
+/// the b with b mod 2s < s (the bits set in m): one delta swap.
 inline void swap_bits(std::uint32_t& a, std::uint32_t& b, int s, std::uint32_t m) {
   const std::uint32_t t = ((a >> s) ^ b) & m;
   b ^= t;
@@ -447,10 +451,10 @@ inline void decode_value_block_transposed(const std::uint32_t* const* rows,
   for (int j = 0; j < P; ++j) row[j] = rows[j];
   for (int c = 0; c < D; ++c) {
     std::uint32_t r[8];
-#pragma GCC unroll 8
+    LYNX_UNROLL(8)
     for (int i = 0; i < 8; ++i) r[i] = 7 - i < P ? row[(7 - i) % P][c] : 0u;
     transpose_bytes_8x8(r);
-#pragma GCC unroll 32
+    LYNX_UNROLL(32)
     for (int t = 0; t < L; ++t)
       tile[t * D + c] = code_float(((r[t % 8] >> (8 * (t / 8))) & 0xffu) >> (8 - P));
   }
@@ -472,8 +476,7 @@ inline void decode_value_block_portable(const std::uint32_t* const* rows, int D,
       for (int c = 0; c < D; ++c) {
         std::uint32_t x = 0;  // byte i: the code of token t + i
         for (int j = 0; j < P; ++j) {
-          const std::uint32_t n = (rows[j][c] >> t) & 0xfu;
-          x = (x << 1) | ((n | n << 7 | n << 14 | n << 21) & 0x01010101u);
+          x = (x << 1) | spread_nibble((rows[j][c] >> t) & 0xfu);
         }
         for (int i = 0; i < 4; ++i) tile[(t + i) * D + c] = code_float((x >> (8 * i)) & 0xffu);
       }

@@ -85,18 +85,15 @@ LYNX_HOST_DEVICE float fold_query_into_key_group(const float* q, const float* sc
                                                  float half, float* LYNX_RESTRICT qs) {
   constexpr int N = attention_reduction_lanes;
   float lane[N] = {};
+  const auto fold = [&](int c, int l) {  // channel c into lane l = c mod 16
+    qs[c] = q[c] * (scale[c] * level_unit);
+    lane[l] = detail::fused_multiply_add(q[c], detail::fused_multiply_add(scale[c], half, zero[c]),
+                                         lane[l]);
+  };
   int c = 0;
   for (; c + N <= head_dim; c += N)  // whole steps of the 16 lanes (a compiler vectorizes them)
-    for (int l = 0; l < N; ++l) {
-      qs[c + l] = q[c + l] * (scale[c + l] * level_unit);
-      lane[l] = detail::fused_multiply_add(
-          q[c + l], detail::fused_multiply_add(scale[c + l], half, zero[c + l]), lane[l]);
-    }
-  for (; c < head_dim; ++c) {
-    qs[c] = q[c] * (scale[c] * level_unit);
-    lane[c % N] = detail::fused_multiply_add(
-        q[c], detail::fused_multiply_add(scale[c], half, zero[c]), lane[c % N]);
-  }
+    for (int l = 0; l < N; ++l) fold(c + l, l);
+  for (; c < head_dim; ++c) fold(c, c % N);
   return reduce_lanes(lane);
 }
 

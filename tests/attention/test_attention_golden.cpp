@@ -17,6 +17,7 @@
 #include <cstdio>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "../support/attention_paths.hpp"
@@ -244,4 +245,38 @@ TEST_CASE("golden attention: sliding window, dense prompts (the 16-bit baseline)
                                          lynx::token_major<const float>(v.data(), shape)},
                c, tk, tv, q);
   check_golden("tail only", lynx::no_prompt{}, c, tk, tv, q);
+}
+
+// The portable walk's plane decoders (the path of CPUs without AVX-512, ARM among
+// them) against the definition, prefix_code: every plane count of a 16-bit plan,
+// the head_dims with a transposing value decoder (64, 128, 256) and others, random
+// plane words. The golden table above covers them only through the plans it runs.
+template <int P>
+void check_plane_decoders(int D) {
+  constexpr int L = lynx::attention_block_tokens;
+  std::vector<std::uint32_t> words(static_cast<std::size_t>(P * D));
+  for (std::size_t i = 0; i < words.size(); ++i)
+    words[i] = static_cast<std::uint32_t>(golden::mix(0x9e37u * static_cast<std::uint64_t>(P) + i));
+  const std::uint32_t* rows[P];
+  for (int j = 0; j < P; ++j) rows[j] = words.data() + j * D;
+  std::vector<float> keys(static_cast<std::size_t>(D * L)), values(keys.size());
+  lynx::detail::decode_key_tile_portable<P>(rows, D, keys.data());
+  lynx::detail::decode_value_block_portable<P>(rows, D, values.data());
+  int wrong_keys = 0, wrong_values = 0;
+  for (int c = 0; c < D; ++c)
+    for (int t = 0; t < L; ++t) {
+      const auto code = static_cast<float>(lynx::prefix_code(words.data() + c, D, P, t));
+      wrong_keys += keys[c * L + lynx::detail::nibble_lane(t)] != code;
+      wrong_values += values[t * D + c] != code;
+    }
+  INFO("planes ", P, ", head_dim ", D);
+  CHECK(wrong_keys == 0);
+  CHECK(wrong_values == 0);
+}
+
+TEST_CASE("portable plane decoders give each token's prefix code, 1 to 16 planes") {
+  for (int D : {8, 24, 64, 96, 128, 256}) [D]<int... I>(std::integer_sequence<int, I...>) {
+      (check_plane_decoders<I + 1>(D), ...);
+    }
+  (std::make_integer_sequence<int, 16>{});
 }

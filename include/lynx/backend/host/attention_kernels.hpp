@@ -368,49 +368,41 @@ void with_plane_count(int planes, F&& f) {
   (std::make_integer_sequence<int, Max>{});
 }
 
-/// Code of token `token` from the words of P planes at rows[j][c] (prefix_code).
-template <int P>
-inline std::uint32_t plane_prefix(const std::uint32_t* const* rows, int c, int token) {
-  std::uint32_t code = 0;
-  for (int j = 0; j < P; ++j) code = (code << 1) | token_bit(rows[j][c], token);
-  return code;
-}
-
 /// Four bits n (tokens 4q..4q+3 of a plane word) spread to bit 0 of bytes 0..3.
 inline std::uint32_t spread_nibble(std::uint32_t n) {
   return (n | n << 7 | n << 14 | n << 21) & 0x01010101u;
 }
 
 /// Lane of token t (0..31) of a block in a key tile decoded by nibbles
-/// (decode_key_tile_portable, up to 8 planes): token 4q + i is in lane 8i + q.
+/// (decode_key_tile_portable): token 4q + i is in lane 8i + q.
 inline int nibble_lane(int t) { return 8 * (t % 4) + t / 4; }
 
 /// Codes of one 32-token block of P planes as floats, tile[c][32], a lane per
-/// token: up to 8 planes in the nibble order (nibble_lane), else lane = token.
-/// By nibbles, as the values: nibble q of each plane word holds the bits of
-/// tokens 4q..4q+3, spread to one bit per byte and shifted into a byte per token
-/// (the 8 nibbles of a channel are the SIMD lanes); byte i of nibble q's word is
-/// token 4q + i, written to lane 8i + q so that the stores stay contiguous.
+/// token in the nibble order (nibble_lane). Nibble q of each plane word holds the
+/// bits of tokens 4q..4q+3, spread to one bit per byte and shifted into a byte
+/// per token (the 8 nibbles of a channel are the SIMD lanes); byte i of nibble
+/// q's word is token 4q + i, written to lane 8i + q so that the stores stay
+/// contiguous. More than 8 planes: planes 0..7 and 8..P-1 each give a byte, the
+/// code is (high << (P - 8)) | low.
 template <int P>
 inline void decode_key_tile_portable(const std::uint32_t* const* rows, int D, float* tile) {
+  static_assert(P >= 1 && P <= 16);
   constexpr int L = attention_block_tokens;
-  if constexpr (P <= 8) {
-    for (int c = 0; c < D; ++c) {
-      std::uint32_t x[L / 4];  // byte i of x[q]: the code of token 4q + i
-      for (int q = 0; q < L / 4; ++q) {
-        std::uint32_t v = 0;
-        for (int j = 0; j < P; ++j) {
-          v = (v << 1) | spread_nibble((rows[j][c] >> (4 * q)) & 0xfu);
-        }
-        x[q] = v;
-      }
-      for (int i = 0; i < 4; ++i)
-        for (int q = 0; q < L / 4; ++q)
-          tile[c * L + 8 * i + q] = code_float((x[q] >> (8 * i)) & 0xffu);
+  constexpr int PH = P < 8 ? P : 8;  // planes in the high byte
+  for (int c = 0; c < D; ++c) {
+    std::uint32_t x[L / 4], y[L / 4];  // byte i of x[q] (y[q]): token 4q + i's high (low) bits
+    for (int q = 0; q < L / 4; ++q) {
+      std::uint32_t v = 0, u = 0;
+      for (int j = 0; j < PH; ++j) v = (v << 1) | spread_nibble((rows[j][c] >> (4 * q)) & 0xfu);
+      for (int j = PH; j < P; ++j) u = (u << 1) | spread_nibble((rows[j][c] >> (4 * q)) & 0xfu);
+      x[q] = v;
+      y[q] = u;
     }
-  } else {
-    for (int c = 0; c < D; ++c)
-      for (int l = 0; l < L; ++l) tile[c * L + l] = code_float(plane_prefix<P>(rows, c, l));
+    for (int i = 0; i < 4; ++i)
+      for (int q = 0; q < L / 4; ++q) {
+        const std::uint32_t high = (x[q] >> (8 * i)) & 0xffu, low = (y[q] >> (8 * i)) & 0xffu;
+        tile[c * L + 8 * i + q] = code_float(P > 8 ? (high << (P - PH)) | low : high);
+      }
   }
 }
 
@@ -436,54 +428,68 @@ inline void transpose_bytes_8x8(std::uint32_t* r) {
   swap_bits(r[4], r[5], 1, m1), swap_bits(r[6], r[7], 1, m1);
 }
 
-/// decode_value_block_portable for P <= 8 planes and a head_dim D known at
-/// compile time (so that a compiler sees the 32 token rows of the tile do not
-/// overlap and vectorizes over channels). A channel's P plane words are an
-/// 8 x 32 bit matrix (a row per plane, plane 0 as row 7, absent planes 0; a
-/// column per token); transposing its four 8x8 blocks leaves the code of token
-/// 8g + i, shifted to 8 bits, in byte g of word i.
+/// Loads the plane words of channel c, planes [j0, j0 + n) (n <= 8), as the rows
+/// of an 8 x 32 bit matrix (plane j0 as row 7, absent planes 0) and transposes
+/// its four 8x8 blocks: byte g of r[i] is then token 8g + i's bits of those
+/// planes, plane j0 in the top bit.
+template <int N>
+inline void transposed_plane_bytes(const std::uint32_t* const* row, int c, std::uint32_t* r) {
+  LYNX_UNROLL(8)
+  for (int i = 0; i < 8; ++i) r[i] = 7 - i < N ? row[(7 - i) % N][c] : 0u;
+  transpose_bytes_8x8(r);
+}
+
+/// decode_value_block_portable for a head_dim D known at compile time (so that a
+/// compiler sees the 32 token rows of the tile do not overlap and vectorizes
+/// over channels). A channel's plane words, 8 planes at a time, are an 8 x 32 bit
+/// matrix (transposed_plane_bytes): planes 0..7 give the code's high byte,
+/// planes 8..P-1 its low byte.
 template <int P, int D>
 inline void decode_value_block_transposed(const std::uint32_t* const* rows,
                                           float* LYNX_RESTRICT tile) {
-  static_assert(P >= 1 && P <= 8);
+  static_assert(P >= 1 && P <= 16);
   constexpr int L = attention_block_tokens;
+  constexpr int PH = P < 8 ? P : 8, PL = P - PH;  // planes in the high and the low byte
   const std::uint32_t* row[P];
   for (int j = 0; j < P; ++j) row[j] = rows[j];
   for (int c = 0; c < D; ++c) {
-    std::uint32_t r[8];
-    LYNX_UNROLL(8)
-    for (int i = 0; i < 8; ++i) r[i] = 7 - i < P ? row[(7 - i) % P][c] : 0u;
-    transpose_bytes_8x8(r);
+    std::uint32_t r[8], s[8];
+    transposed_plane_bytes<PH>(row, c, r);
+    if constexpr (PL > 0) transposed_plane_bytes<PL>(row + PH, c, s);
     LYNX_UNROLL(32)
-    for (int t = 0; t < L; ++t)
-      tile[t * D + c] = code_float(((r[t % 8] >> (8 * (t / 8))) & 0xffu) >> (8 - P));
+    for (int t = 0; t < L; ++t) {
+      const std::uint32_t high = ((r[t % 8] >> (8 * (t / 8))) & 0xffu) >> (8 - PH);
+      if constexpr (PL > 0)
+        tile[t * D + c] =
+            code_float((high << PL) | (((s[t % 8] >> (8 * (t / 8))) & 0xffu) >> (8 - PL)));
+      else
+        tile[t * D + c] = code_float(high);
+    }
   }
 }
 
 /// Codes of the 32 tokens of a block of P planes as floats, tile[t][D] (lane =
-/// channel). Up to 8 planes: for head_dim 64, 128 and 256 by bit-matrix
-/// transposes (decode_value_block_transposed); else four tokens at a time, each
-/// plane word giving the four tokens' bits (a nibble), spread to one bit per
-/// byte and shifted into a byte per token. More planes, one token at a time.
+/// channel): for head_dim 64, 128 and 256 by bit-matrix transposes
+/// (decode_value_block_transposed); else four tokens at a time, each plane word
+/// giving the four tokens' bits (a nibble), spread to one bit per byte and
+/// shifted into a byte per token (planes 0..7 the high byte, 8..P-1 the low).
 template <int P>
 inline void decode_value_block_portable(const std::uint32_t* const* rows, int D, float* tile) {
   constexpr int L = attention_block_tokens;
-  if constexpr (P <= 8) {
-    if (D == 64) return decode_value_block_transposed<P, 64>(rows, tile);
-    if (D == 128) return decode_value_block_transposed<P, 128>(rows, tile);
-    if (D == 256) return decode_value_block_transposed<P, 256>(rows, tile);
-    for (int t = 0; t < L; t += 4)
-      for (int c = 0; c < D; ++c) {
-        std::uint32_t x = 0;  // byte i: the code of token t + i
-        for (int j = 0; j < P; ++j) {
-          x = (x << 1) | spread_nibble((rows[j][c] >> t) & 0xfu);
-        }
-        for (int i = 0; i < 4; ++i) tile[(t + i) * D + c] = code_float((x >> (8 * i)) & 0xffu);
+  constexpr int PH = P < 8 ? P : 8;
+  if (D == 64) return decode_value_block_transposed<P, 64>(rows, tile);
+  if (D == 128) return decode_value_block_transposed<P, 128>(rows, tile);
+  if (D == 256) return decode_value_block_transposed<P, 256>(rows, tile);
+  for (int t = 0; t < L; t += 4)
+    for (int c = 0; c < D; ++c) {
+      std::uint32_t x = 0, y = 0;  // byte i: token t + i's high (low) bits
+      for (int j = 0; j < PH; ++j) x = (x << 1) | spread_nibble((rows[j][c] >> t) & 0xfu);
+      for (int j = PH; j < P; ++j) y = (y << 1) | spread_nibble((rows[j][c] >> t) & 0xfu);
+      for (int i = 0; i < 4; ++i) {
+        const std::uint32_t high = (x >> (8 * i)) & 0xffu, low = (y >> (8 * i)) & 0xffu;
+        tile[(t + i) * D + c] = code_float(P > 8 ? (high << (P - PH)) | low : high);
       }
-  } else {
-    for (int t = 0; t < L; ++t)
-      for (int c = 0; c < D; ++c) tile[t * D + c] = code_float(plane_prefix<P>(rows, c, t));
-  }
+    }
 }
 
 /// Scores of tokens [la, lb) of one 32-token block, of the heads' folded queries
@@ -544,7 +550,7 @@ void score_tokens_portable(const plane_kv_source<Plan, G>& src, std::int64_t kv_
                            const float* q, int heads, std::int64_t t0, std::int64_t t1,
                            const split_scratch& w) {
   const int D = static_cast<int>(src.view.geometry.head_dim);
-  score_blocks_portable(src, kv_head, q, heads, t0, t1, w, src.planes <= 8, [&](std::int64_t b) {
+  score_blocks_portable(src, kv_head, q, heads, t0, t1, w, true, [&](std::int64_t b) {
     const std::uint32_t* rows[16];
     src.block_rows(true, kv_head, b, rows);
     with_plane_count<Plan::bits>(src.planes,

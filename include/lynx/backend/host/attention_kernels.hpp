@@ -306,10 +306,12 @@ inline void add_value_row_portable(float* sums, int heads, int D, std::int64_t g
 
 /// Tokens [ta, tz) of a tile of rows (rows[t - ta][D], codes as floats) added to
 /// the value sums (acc: even tokens, odd: odd tokens), as add_value_row_portable
-/// token by token, but 16 channels of one head at a time over all the tokens:
-/// the 16-lane even and odd sums stay in registers and each step is two fused
-/// multiply-adds. wt: the weights of token ta (w.weights + ta - t0). Needs head_dim
-/// and the value group to be multiples of 16; otherwise a row at a time.
+/// token by token, but 16 channels of two heads at a time over all the tokens:
+/// the 16-lane even and odd sums stay in registers and each step is four fused
+/// multiply-adds on independent sums (one head's two would wait on the
+/// multiply-add's latency). wt: the weights of token ta (w.weights + ta - t0).
+/// Needs head_dim and the value group to be multiples of 16; otherwise a row at
+/// a time.
 inline void add_value_tile_portable(float* acc, float* odd, int heads, int D, std::int64_t groups,
                                     std::int64_t VG, const float* wt, const float* rows,
                                     std::int64_t ta, std::int64_t tz) {
@@ -320,32 +322,45 @@ inline void add_value_tile_portable(float* acc, float* odd, int heads, int D, st
                              rows + (t - ta) * D);
     return;
   }
-  for (int h = 0; h < heads; ++h)
-    for (int c0 = 0; c0 < D; c0 += N) {
-      const float* weight = wt + (h * groups + c0 / VG) * attention_split_tokens;
-      float* LYNX_RESTRICT sum[2] = {acc + h * D + c0, odd + h * D + c0};
-      float e[N], o[N];
+  // HB heads h0.. at channels c0..c0 + 15
+  auto pass = [&]<int HB>(int h0, int c0) {
+    const float* weight[HB];
+    float* LYNX_RESTRICT sum[HB][2];
+    float e[HB][N], o[HB][N];  // the sums of tokens of ta's parity, and of the others
+    for (int b = 0; b < HB; ++b) {
+      weight[b] = wt + ((h0 + b) * groups + c0 / VG) * attention_split_tokens;
+      sum[b][0] = (ta % 2 == 0 ? acc : odd) + (h0 + b) * D + c0;
+      sum[b][1] = (ta % 2 == 0 ? odd : acc) + (h0 + b) * D + c0;
       for (int l = 0; l < N; ++l) {
-        e[l] = sum[ta % 2][l];
-        o[l] = sum[1 - ta % 2][l];
-      }
-      // e: the sums of tokens of ta's parity, o: the others
-      const float* row = rows + c0;
-      std::int64_t t = ta;
-      for (; t + 2 <= tz; t += 2, row += 2 * D) {
-        const float we = weight[t - ta], wo = weight[t + 1 - ta];
-        for (int l = 0; l < N; ++l) {
-          e[l] = detail::fused_multiply_add(we, row[l], e[l]);
-          o[l] = detail::fused_multiply_add(wo, row[D + l], o[l]);
-        }
-      }
-      if (t < tz)
-        for (int l = 0; l < N; ++l) e[l] = detail::fused_multiply_add(weight[t - ta], row[l], e[l]);
-      for (int l = 0; l < N; ++l) {
-        sum[ta % 2][l] = e[l];
-        sum[1 - ta % 2][l] = o[l];
+        e[b][l] = sum[b][0][l];
+        o[b][l] = sum[b][1][l];
       }
     }
+    const float* row = rows + c0;
+    std::int64_t t = ta;
+    for (; t + 2 <= tz; t += 2, row += 2 * D)
+      for (int b = 0; b < HB; ++b) {
+        const float we = weight[b][t - ta], wo = weight[b][t + 1 - ta];
+        for (int l = 0; l < N; ++l) {
+          e[b][l] = detail::fused_multiply_add(we, row[l], e[b][l]);
+          o[b][l] = detail::fused_multiply_add(wo, row[D + l], o[b][l]);
+        }
+      }
+    if (t < tz)
+      for (int b = 0; b < HB; ++b)
+        for (int l = 0; l < N; ++l)
+          e[b][l] = detail::fused_multiply_add(weight[b][t - ta], row[l], e[b][l]);
+    for (int b = 0; b < HB; ++b)
+      for (int l = 0; l < N; ++l) {
+        sum[b][0][l] = e[b][l];
+        sum[b][1][l] = o[b][l];
+      }
+  };
+  int h = 0;
+  for (; h + 2 <= heads; h += 2)
+    for (int c0 = 0; c0 < D; c0 += N) pass.template operator()<2>(h, c0);
+  if (h < heads)
+    for (int c0 = 0; c0 < D; c0 += N) pass.template operator()<1>(h, c0);
 }
 
 /// The float of a code (codes are below 2^16: the signed conversion, which
@@ -368,22 +383,32 @@ void with_plane_count(int planes, F&& f) {
   (std::make_integer_sequence<int, Max>{});
 }
 
-/// Four bits n (tokens 4q..4q+3 of a plane word) spread to bit 0 of bytes 0..3.
-inline std::uint32_t spread_nibble(std::uint32_t n) {
-  return (n | n << 7 | n << 14 | n << 21) & 0x01010101u;
-}
-
 /// Lane of token t (0..31) of a block in a key tile decoded by nibbles
 /// (decode_key_tile_portable): token 4q + i is in lane 8i + q.
 inline int nibble_lane(int t) { return 8 * (t % 4) + t / 4; }
 
+/// Where nibbles_to_bytes wants the nibble of code bit a (0..7): at bit 4 * slot.
+constexpr int nibble_slot(int a) { return ((a & 3) << 1) | (a >> 2); }
+
+/// Eight nibbles (the plane with code bit a at bit 4 * nibble_slot(a), its bit i
+/// for token i) to four bytes (byte i: token i's code, bit a from that plane).
+/// Writing a bit position as p4..p0, nibble_slot puts code bit a = (a2 a1 a0) at
+/// p2 p4 p3 = a2 a1 a0 and token i at p1 p0; exchanging p0 with p3 and p1 with p4
+/// (two delta swaps) makes it p1 p0 p2 p4 p3, bit a of byte i.
+inline std::uint32_t nibbles_to_bytes(std::uint32_t x) {
+  std::uint32_t t = (x ^ (x >> 7)) & 0x00aa00aau;  // p0 = 1, p3 = 0 with p + 7
+  x ^= t ^ (t << 7);
+  t = (x ^ (x >> 14)) & 0x0000ccccu;  // p1 = 1, p4 = 0 with p + 14
+  return x ^ t ^ (t << 14);
+}
+
 /// Codes of one 32-token block of P planes as floats, tile[c][32], a lane per
 /// token in the nibble order (nibble_lane). Nibble q of each plane word holds the
-/// bits of tokens 4q..4q+3, spread to one bit per byte and shifted into a byte
-/// per token (the 8 nibbles of a channel are the SIMD lanes); byte i of nibble
-/// q's word is token 4q + i, written to lane 8i + q so that the stores stay
-/// contiguous. More than 8 planes: planes 0..7 and 8..P-1 each give a byte, the
-/// code is (high << (P - 8)) | low.
+/// bits of tokens 4q..4q+3; the nibbles of up to 8 planes are packed into one word
+/// (nibble_slot) and turned into a byte per token (nibbles_to_bytes), the 8 nibbles
+/// of a channel being the SIMD lanes; byte i of nibble q's word is token 4q + i,
+/// written to lane 8i + q so that the stores stay contiguous. More than 8 planes:
+/// planes 0..7 and 8..P-1 each give a byte, the code is (high << (P - 8)) | low.
 template <int P>
 inline void decode_key_tile_portable(const std::uint32_t* const* rows, int D, float* tile) {
   static_assert(P >= 1 && P <= 16);
@@ -393,10 +418,12 @@ inline void decode_key_tile_portable(const std::uint32_t* const* rows, int D, fl
     std::uint32_t x[L / 4], y[L / 4];  // byte i of x[q] (y[q]): token 4q + i's high (low) bits
     for (int q = 0; q < L / 4; ++q) {
       std::uint32_t v = 0, u = 0;
-      for (int j = 0; j < PH; ++j) v = (v << 1) | spread_nibble((rows[j][c] >> (4 * q)) & 0xfu);
-      for (int j = PH; j < P; ++j) u = (u << 1) | spread_nibble((rows[j][c] >> (4 * q)) & 0xfu);
-      x[q] = v;
-      y[q] = u;
+      for (int j = 0; j < PH; ++j)
+        v |= ((rows[j][c] >> (4 * q)) & 0xfu) << (4 * nibble_slot(PH - 1 - j));
+      for (int j = PH; j < P; ++j)
+        u |= ((rows[j][c] >> (4 * q)) & 0xfu) << (4 * nibble_slot(P - 1 - j));
+      x[q] = nibbles_to_bytes(v);
+      y[q] = nibbles_to_bytes(u);  // 0 for up to 8 planes
     }
     for (int i = 0; i < 4; ++i)
       for (int q = 0; q < L / 4; ++q) {
@@ -482,9 +509,11 @@ inline void decode_value_block_portable(const std::uint32_t* const* rows, int D,
   if (D == 256) return decode_value_block_transposed<P, 256>(rows, tile);
   for (int t = 0; t < L; t += 4)
     for (int c = 0; c < D; ++c) {
-      std::uint32_t x = 0, y = 0;  // byte i: token t + i's high (low) bits
-      for (int j = 0; j < PH; ++j) x = (x << 1) | spread_nibble((rows[j][c] >> t) & 0xfu);
-      for (int j = PH; j < P; ++j) y = (y << 1) | spread_nibble((rows[j][c] >> t) & 0xfu);
+      std::uint32_t x = 0, y = 0;  // packed nibbles; then byte i: token t + i's high (low) bits
+      for (int j = 0; j < PH; ++j) x |= ((rows[j][c] >> t) & 0xfu) << (4 * nibble_slot(PH - 1 - j));
+      for (int j = PH; j < P; ++j) y |= ((rows[j][c] >> t) & 0xfu) << (4 * nibble_slot(P - 1 - j));
+      x = nibbles_to_bytes(x);
+      if constexpr (P > 8) y = nibbles_to_bytes(y);
       for (int i = 0; i < 4; ++i) {
         const std::uint32_t high = (x >> (8 * i)) & 0xffu, low = (y >> (8 * i)) & 0xffu;
         tile[(t + i) * D + c] = code_float(P > 8 ? (high << (P - PH)) | low : high);
@@ -501,20 +530,30 @@ template <class K>
 void score_block_portable(const K* tile, int D, int heads, const split_scratch& w,
                           std::int64_t first, int la, int lb, bool nibble_order) {
   constexpr int L = attention_block_tokens;
-  for (int h = 0; h < heads; ++h) {
-    const float* qs = w.qs + h * D;
-    float s[L] = {};
+  // HB heads from h0 at once: independent sums, so that the multiply-adds of a
+  // channel do not wait on each other's latency; each lane's order is the same
+  auto pass = [&]<int HB>(int h0) {
+    float s[HB][L] = {};
     for (int c = 0; c < D; ++c) {
-      const float qc = qs[c];
       const K* k = tile + c * L;
-      for (int l = 0; l < L; ++l) s[l] = detail::fused_multiply_add(qc, code_float(k[l]), s[l]);
+      for (int b = 0; b < HB; ++b) {
+        const float qc = w.qs[(h0 + b) * D + c];
+        for (int l = 0; l < L; ++l)
+          s[b][l] = detail::fused_multiply_add(qc, code_float(k[l]), s[b][l]);
+      }
     }
-    float* out = w.scores + h * attention_split_tokens + first;
-    if (nibble_order)
-      for (int t = la; t < lb; ++t) out[t] = s[nibble_lane(t)] + w.bias[h];
-    else
-      for (int t = la; t < lb; ++t) out[t] = s[t] + w.bias[h];
-  }
+    for (int b = 0; b < HB; ++b) {
+      float* out = w.scores + (h0 + b) * attention_split_tokens + first;
+      const float bias = w.bias[h0 + b];
+      if (nibble_order)
+        for (int t = la; t < lb; ++t) out[t] = s[b][nibble_lane(t)] + bias;
+      else
+        for (int t = la; t < lb; ++t) out[t] = s[b][t] + bias;
+    }
+  };
+  int h = 0;
+  for (; h + 2 <= heads; h += 2) pass.template operator()<2>(h);
+  if (h < heads) pass.template operator()<1>(h);
 }
 
 /// Logits of tokens [t0, t1) of a plane or code prompt: scores[h][t - t0]. A block

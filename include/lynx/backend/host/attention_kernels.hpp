@@ -498,8 +498,8 @@ inline void decode_value_block_transposed(const std::uint32_t* const* rows,
 /// Codes of the 32 tokens of a block of P planes as floats, tile[t][D] (lane =
 /// channel): for head_dim 64, 128 and 256 by bit-matrix transposes
 /// (decode_value_block_transposed); else four tokens at a time, each plane word
-/// giving the four tokens' bits (a nibble), spread to one bit per byte and
-/// shifted into a byte per token (planes 0..7 the high byte, 8..P-1 the low).
+/// giving the four tokens' bits (a nibble), packed and turned into a byte per
+/// token as the keys' (nibbles_to_bytes; planes 0..7 the high byte, 8..P-1 the low).
 template <int P>
 inline void decode_value_block_portable(const std::uint32_t* const* rows, int D, float* tile) {
   constexpr int L = attention_block_tokens;

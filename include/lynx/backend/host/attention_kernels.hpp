@@ -378,7 +378,7 @@ inline float code_float(Code k) {
 template <int Max, class F>
 void with_plane_count(int planes, F&& f) {
   [&]<int... I>(std::integer_sequence<int, I...>) {
-    ((planes == I + 1 ? (f(std::integral_constant<int, I + 1>{}), true) : false) || ...);
+    (void)((planes == I + 1 ? (f(std::integral_constant<int, I + 1>{}), true) : false) || ...);
   }
   (std::make_integer_sequence<int, Max>{});
 }

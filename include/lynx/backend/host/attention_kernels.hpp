@@ -402,6 +402,27 @@ inline std::uint32_t nibbles_to_bytes(std::uint32_t x) {
   return x ^ t ^ (t << 14);
 }
 
+/// The codes of tokens s..s+3 of channel c (bits s..s+3 of each plane word) as the
+/// bytes of x (planes 0..7, the high byte) and y (planes 8..P-1, the low byte;
+/// 0 for up to 8 planes): nibbles packed at nibble_slot, then nibbles_to_bytes.
+template <int P>
+inline void nibble_code_bytes(const std::uint32_t* const* rows, int c, int s, std::uint32_t& x,
+                              std::uint32_t& y) {
+  constexpr int PH = P < 8 ? P : 8;
+  std::uint32_t v = 0, u = 0;
+  for (int j = 0; j < PH; ++j) v |= ((rows[j][c] >> s) & 0xfu) << (4 * nibble_slot(PH - 1 - j));
+  for (int j = PH; j < P; ++j) u |= ((rows[j][c] >> s) & 0xfu) << (4 * nibble_slot(P - 1 - j));
+  x = nibbles_to_bytes(v);
+  y = nibbles_to_bytes(u);
+}
+
+/// Token i's code from byte i of the high and low words of nibble_code_bytes.
+template <int P>
+inline std::uint32_t nibble_code(std::uint32_t x, std::uint32_t y, int i) {
+  constexpr int PH = P < 8 ? P : 8;
+  return (((x >> (8 * i)) & 0xffu) << (P - PH)) | ((y >> (8 * i)) & 0xffu);
+}
+
 /// Codes of one 32-token block of P planes as floats, tile[c][32], a lane per
 /// token in the nibble order (nibble_lane). Nibble q of each plane word holds the
 /// bits of tokens 4q..4q+3; the nibbles of up to 8 planes are packed into one word
@@ -413,23 +434,12 @@ template <int P>
 inline void decode_key_tile_portable(const std::uint32_t* const* rows, int D, float* tile) {
   static_assert(P >= 1 && P <= 16);
   constexpr int L = attention_block_tokens;
-  constexpr int PH = P < 8 ? P : 8;  // planes in the high byte
   for (int c = 0; c < D; ++c) {
     std::uint32_t x[L / 4], y[L / 4];  // byte i of x[q] (y[q]): token 4q + i's high (low) bits
-    for (int q = 0; q < L / 4; ++q) {
-      std::uint32_t v = 0, u = 0;
-      for (int j = 0; j < PH; ++j)
-        v |= ((rows[j][c] >> (4 * q)) & 0xfu) << (4 * nibble_slot(PH - 1 - j));
-      for (int j = PH; j < P; ++j)
-        u |= ((rows[j][c] >> (4 * q)) & 0xfu) << (4 * nibble_slot(P - 1 - j));
-      x[q] = nibbles_to_bytes(v);
-      y[q] = nibbles_to_bytes(u);  // 0 for up to 8 planes
-    }
+    for (int q = 0; q < L / 4; ++q) nibble_code_bytes<P>(rows, c, 4 * q, x[q], y[q]);
     for (int i = 0; i < 4; ++i)
-      for (int q = 0; q < L / 4; ++q) {
-        const std::uint32_t high = (x[q] >> (8 * i)) & 0xffu, low = (y[q] >> (8 * i)) & 0xffu;
-        tile[c * L + 8 * i + q] = code_float(P > 8 ? (high << (P - PH)) | low : high);
-      }
+      for (int q = 0; q < L / 4; ++q)
+        tile[c * L + 8 * i + q] = code_float(nibble_code<P>(x[q], y[q], i));
   }
 }
 
@@ -503,21 +513,14 @@ inline void decode_value_block_transposed(const std::uint32_t* const* rows,
 template <int P>
 inline void decode_value_block_portable(const std::uint32_t* const* rows, int D, float* tile) {
   constexpr int L = attention_block_tokens;
-  constexpr int PH = P < 8 ? P : 8;
   if (D == 64) return decode_value_block_transposed<P, 64>(rows, tile);
   if (D == 128) return decode_value_block_transposed<P, 128>(rows, tile);
   if (D == 256) return decode_value_block_transposed<P, 256>(rows, tile);
   for (int t = 0; t < L; t += 4)
     for (int c = 0; c < D; ++c) {
-      std::uint32_t x = 0, y = 0;  // packed nibbles; then byte i: token t + i's high (low) bits
-      for (int j = 0; j < PH; ++j) x |= ((rows[j][c] >> t) & 0xfu) << (4 * nibble_slot(PH - 1 - j));
-      for (int j = PH; j < P; ++j) y |= ((rows[j][c] >> t) & 0xfu) << (4 * nibble_slot(P - 1 - j));
-      x = nibbles_to_bytes(x);
-      if constexpr (P > 8) y = nibbles_to_bytes(y);
-      for (int i = 0; i < 4; ++i) {
-        const std::uint32_t high = (x >> (8 * i)) & 0xffu, low = (y >> (8 * i)) & 0xffu;
-        tile[(t + i) * D + c] = code_float(P > 8 ? (high << (P - PH)) | low : high);
-      }
+      std::uint32_t x, y;  // byte i: token t + i's high (low) bits
+      nibble_code_bytes<P>(rows, c, t, x, y);
+      for (int i = 0; i < 4; ++i) tile[(t + i) * D + c] = code_float(nibble_code<P>(x, y, i));
     }
 }
 

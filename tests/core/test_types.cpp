@@ -23,6 +23,7 @@
 #include "lynx/core/view.hpp"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <cpuid.h>
 #include <immintrin.h>
 #define LYNX_TEST_HAVE_F16C 1
 #else
@@ -139,7 +140,12 @@ __attribute__((target("f16c"))) std::uint16_t fp16_hardware(float x) {
 __attribute__((target("f16c"))) float fp16_hardware_to_float(std::uint16_t h) {
   return _cvtsh_ss(h);
 }
-bool have_f16c() { return __builtin_cpu_supports("f16c"); }
+// CPUID leaf 1 directly: clang 14's __builtin_cpu_supports does not know "f16c".
+bool have_f16c() {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (__get_cpuid(1, &eax, &ebx, &ecx, &edx) == 0) return false;
+  return (ecx & bit_F16C) != 0 && (ecx & bit_AVX) != 0 && (ecx & bit_OSXSAVE) != 0;
+}
 #endif
 
 }  // namespace

@@ -705,6 +705,19 @@ void accumulate_values_portable(const code_kv_source<View>& src, std::int64_t kv
   add_value_offsets(w.offsets, heads, D, groups, VG, acc);
 }
 
+/// How far ahead (in tokens) the dense kernels ask for the rows of one kv head,
+/// into L2 (hint 2): bf16 keys and values of any element type (fp32 keys keep
+/// their own 32 rows into L1, unmeasured here). Rows lie kv_heads * head_dim
+/// apart, so the hardware prefetchers, which stay within a 4 KiB page, cannot
+/// follow them. Measured on the bf16 baseline at 32K tokens (single thread):
+/// 32 rows into L1 7.2-7.6 ms, 32 into L2 6.3, 64 into L2 5.6-5.7, 96 5.5-5.8,
+/// 192 6.8; a head-major cache (contiguous rows) 5.8. L1 holds too few
+/// outstanding misses for these bursts. On AMD Zen 4 64 into L2 is also best
+/// (32: 12.9 ms, 64: 11.2, 128: 11.6, 192: 12.0, 64 into L1: 15.6). The
+/// portable dense loops ask the same (bf16 baseline, 4,096 tokens, AVX2 clone:
+/// 6.5-6.7 -> 5.4-5.9 ms).
+inline constexpr std::int64_t dense_prefetch_rows = 64;
+
 /// Lane of channel c in a dense score: c mod 16 for float keys; for bf16 keys
 /// (c mod 32) / 2, the lane channel c lands in when 32 bf16 are widened per
 /// load as even and odd halves.
@@ -802,31 +815,82 @@ void score_tokens_portable(const dense_kv_source<T>& src, std::int64_t kv_head, 
   float* row = w.tile;
   for (int h = 0; h < heads; ++h) dense_query_lane_order<T>(q + h * D, D, w.qs + h * D);
   for (std::int64_t t = t0; t < t1; ++t) {
+    if (t + dense_prefetch_rows < t1)
+      prefetch_lines<2>(&src.keys(t + dense_prefetch_rows, kv_head, 0), D * sizeof(T));
     dense_lane_order(&src.keys(t, kv_head, 0), D, row);
     for (int h = 0; h < heads; ++h)
       w.scores[h * attention_split_tokens + (t - t0)] = dense_score_lanes<T>(w.qs + h * D, row, D);
   }
 }
 
+/// acc[h][c] += p[h][i] * rows[i][c] for the n rows of a tile in order, one fused
+/// multiply-add each (p: scores, heads attention_split_tokens apart). The sums of
+/// HB heads x 16 channels stay in registers over the rows: one pass per block of
+/// them, where a loop over rows would load and store every sum once per row.
+inline void add_dense_value_tile_portable(float* acc, int heads, int D, const float* p,
+                                          const float* rows, std::int64_t n) {
+  constexpr int N = attention_reduction_lanes;
+  if (D % N != 0) {
+    for (std::int64_t i = 0; i < n; ++i)
+      for (int h = 0; h < heads; ++h) {
+        const float w = p[h * attention_split_tokens + i];
+        float* a = acc + h * D;
+        for (int c = 0; c < D; ++c) a[c] = detail::fused_multiply_add(w, rows[i * D + c], a[c]);
+      }
+    return;
+  }
+  auto pass = [&]<int HB>(int h0, int c0) {
+    float sum[HB][N];
+    const float* weight[HB];
+    for (int b = 0; b < HB; ++b) {
+      weight[b] = p + (h0 + b) * attention_split_tokens;
+      for (int l = 0; l < N; ++l) sum[b][l] = acc[(h0 + b) * D + c0 + l];
+    }
+    const float* row = rows + c0;
+    for (std::int64_t i = 0; i < n; ++i, row += D) {
+      // Unrolled, or GCC keeps sum[][] in memory (an index it does not know).
+#pragma GCC unroll 4
+      for (int b = 0; b < HB; ++b) {
+        const float w = weight[b][i];
+        for (int l = 0; l < N; ++l) sum[b][l] = detail::fused_multiply_add(w, row[l], sum[b][l]);
+      }
+    }
+    for (int b = 0; b < HB; ++b)
+      for (int l = 0; l < N; ++l) acc[(h0 + b) * D + c0 + l] = sum[b][l];
+  };
+  int h = 0;
+  for (; h + 4 <= heads; h += 4)
+    for (int c0 = 0; c0 < D; c0 += N) pass.template operator()<4>(h, c0);
+  for (; h + 2 <= heads; h += 2)
+    for (int c0 = 0; c0 < D; c0 += N) pass.template operator()<2>(h, c0);
+  if (h < heads)
+    for (int c0 = 0; c0 < D; c0 += N) pass.template operator()<1>(h, c0);
+}
+
+/// acc[h][c] = sum_t p[h][t] * v[t][c] over tokens [t0, t1), one fused
+/// multiply-add per token in token order starting from 0, rows taken as floats
+/// a tile of up to 32 at a time.
 template <class T>
 void accumulate_values_portable(const dense_kv_source<T>& src, std::int64_t kv_head, int heads,
                                 std::int64_t t0, std::int64_t t1, float* acc,
                                 const split_scratch& w) {
   const int D = src.head_dim();
   const std::int64_t stride = src.values.channel_stride;
-  float* row = w.tile;
+  float* tile = w.tile;  // up to 32 rows as floats
   std::fill(acc, acc + heads * D, 0.0f);
-  for (std::int64_t t = t0; t < t1; ++t) {
-    const T* v = &src.values(t, kv_head, 0);
-    if (stride == 1)
-      for (int c = 0; c < D; ++c) row[c] = to_float(v[c]);
-    else
-      for (int c = 0; c < D; ++c) row[c] = to_float(v[c * stride]);
-    for (int h = 0; h < heads; ++h) {
-      const float p = w.scores[h * attention_split_tokens + (t - t0)];
-      float* a = acc + h * D;
-      for (int c = 0; c < D; ++c) a[c] = detail::fused_multiply_add(p, row[c], a[c]);
+  for (std::int64_t ta = t0; ta < t1; ta += attention_block_tokens) {
+    const std::int64_t tz = std::min(ta + attention_block_tokens, t1);
+    for (std::int64_t t = ta; t < tz; ++t) {
+      const T* v = &src.values(t, kv_head, 0);
+      float* row = tile + (t - ta) * D;
+      if (stride == 1 && t + dense_prefetch_rows < t1)
+        prefetch_lines<2>(&src.values(t + dense_prefetch_rows, kv_head, 0), D * sizeof(T));
+      if (stride == 1)
+        for (int c = 0; c < D; ++c) row[c] = to_float(v[c]);
+      else
+        for (int c = 0; c < D; ++c) row[c] = to_float(v[c * stride]);
     }
+    add_dense_value_tile_portable(acc, heads, D, w.scores + (ta - t0), tile, tz - ta);
   }
 }
 
@@ -1798,7 +1862,9 @@ LYNX_ATTENTION_AVX512_TARGET void accumulate_values_avx512(const plane_kv_source
     float* ah = acc + h0 * D;
     dispatch<1, 2, 4>(hc, [&]<int HC>() {
       constexpr int NC = HC == 4 ? 2 : 4;
-      for (int c0 = 0; c0 < D;) {
+      // c0 steps by the pass taken (written in the loop head: clang's -Wall reads a
+      // loop whose counter only a lambda moves as one that never ends).
+      for (int c0 = 0; c0 < D; c0 += D - c0 >= 16 * NC ? 16 * NC : 16) {
         const int rest = D - c0;
         auto pass = [&]<int N>() {
           const std::int64_t g_lo = c0 / VG, g_hi = (std::min(D, c0 + 16 * N) - 1) / VG;
@@ -1825,7 +1891,6 @@ LYNX_ATTENTION_AVX512_TARGET void accumulate_values_avx512(const plane_kv_source
           else
             one_group ? run.template operator()<false, true, 2>()
                       : run.template operator()<false, false, 2>();
-          c0 += 16 * N;
         };
         if (rest >= 16 * NC)
           pass.template operator()<NC>();
@@ -1952,7 +2017,7 @@ LYNX_ATTENTION_AVX512_TARGET void accumulate_values_avx512(const code_kv_source<
   for (int h0 = 0; h0 < heads;) {
     const int hc = heads - h0 >= 4 ? 4 : heads - h0 >= 2 ? 2 : 1;
     dispatch<1, 2, 4>(hc, [&]<int HC>() {
-      for (int c0 = 0; c0 < D;) {
+      for (int c0 = 0; c0 < D; c0 += D - c0 >= 32 ? 32 : 16) {  // the pass taken
         auto pass = [&]<int NC>() {
           const float* wr[HC][NC];
           for (int h = 0; h < HC; ++h)
@@ -1968,7 +2033,6 @@ LYNX_ATTENTION_AVX512_TARGET void accumulate_values_avx512(const code_kv_source<
             else
               add_value_codes_avx512<HC, NC, 4, Hint>(rows + c0, D, pairs, wr, out, walk);
           });
-          c0 += 16 * NC;
         };
         if (D - c0 >= 32)
           pass.template operator()<2>();
@@ -2091,17 +2155,6 @@ inline void permute_query_bf16(const float* q, int heads, int D, int DP, float* 
         qp[h * DP + c + 16 + l] = c + 2 * l + 1 < D ? q[h * D + c + 2 * l + 1] : 0.0f;
       }
 }
-
-/// How far ahead (in tokens) the dense kernels ask for the rows of one kv head,
-/// into L2 (hint 2): bf16 keys and values of any element type (fp32 keys keep
-/// their own 32 rows into L1, unmeasured here). Rows lie kv_heads * head_dim
-/// apart, so the hardware prefetchers, which stay within a 4 KiB page, cannot
-/// follow them. Measured on the bf16 baseline at 32K tokens (single thread):
-/// 32 rows into L1 7.2-7.6 ms, 32 into L2 6.3, 64 into L2 5.6-5.7, 96 5.5-5.8,
-/// 192 6.8; a head-major cache (contiguous rows) 5.8. L1 holds too few
-/// outstanding misses for these bursts. On AMD Zen 4 64 into L2 is also best
-/// (32: 12.9 ms, 64: 11.2, 128: 11.6, 192: 12.0, 64 into L1: 15.6).
-inline constexpr std::int64_t dense_prefetch_rows = 64;
 
 /// Asks L2 for key rows [t, t + n) of one kv head (written out, not prefetch_lines:
 /// that form measured 8% slower on the bf16 baseline at 32K tokens, same prefetches).

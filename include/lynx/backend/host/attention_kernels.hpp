@@ -749,14 +749,17 @@ void dense_lane_order(const T* x, int D, float* out) {
   constexpr int N = attention_reduction_lanes;
   int c = 0;
   if constexpr (std::is_same_v<T, bf16> && std::endian::native == std::endian::little) {
-    for (; c + 2 * N <= D; c += 2 * N) {
-      std::uint32_t word[N];
-      std::memcpy(word, x + c, sizeof(word));
+    // Each word read straight from the row: GCC vectorizes this (two loads, two
+    // shifts, two ANDs, four stores per 32 channels with AVX2); copied into a local
+    // array first, it moved every word through general registers.
+    const auto* bytes = reinterpret_cast<const unsigned char*>(x);
+    for (; c + 2 * N <= D; c += 2 * N)
       for (int l = 0; l < N; ++l) {
-        out[c + l] = bits_float(word[l] << 16);
-        out[c + N + l] = bits_float(word[l] & 0xffff0000u);
+        std::uint32_t word;
+        std::memcpy(&word, bytes + 2 * (c + 2 * l), sizeof(word));
+        out[c + l] = bits_float(word << 16);
+        out[c + N + l] = bits_float(word & 0xffff0000u);
       }
-    }
   }
   for (; c < D; ++c) out[c] = to_float(x[c]);
 }

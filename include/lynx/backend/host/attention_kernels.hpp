@@ -852,7 +852,10 @@ inline void add_dense_value_tile_portable(float* acc, int heads, int D, const fl
     const float* row = rows + c0;
     for (std::int64_t i = 0; i < n; ++i, row += D) {
       // Unrolled, or GCC keeps sum[][] in memory (an index it does not know).
+      // (nvcc's front end does not know the pragma; its host loops are for tests.)
+#if defined(__GNUC__) && !defined(__CUDACC__)
 #pragma GCC unroll 4
+#endif
       for (int b = 0; b < HB; ++b) {
         const float w = weight[b][i];
         for (int l = 0; l < N; ++l) sum[b][l] = detail::fused_multiply_add(w, row[l], sum[b][l]);

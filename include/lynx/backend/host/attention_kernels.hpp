@@ -892,12 +892,13 @@ void accumulate_values_portable(const dense_kv_source<T>& src, std::int64_t kv_h
     for (std::int64_t t = ta; t < tz; ++t) {
       const T* v = &src.values(t, kv_head, 0);
       float* row = tile + (t - ta) * D;
-      if (stride == 1 && t + dense_prefetch_rows < t1)
-        prefetch_lines<2>(&src.values(t + dense_prefetch_rows, kv_head, 0), D * sizeof(T));
-      if (stride == 1)
+      if (stride == 1) {
+        if (t + dense_prefetch_rows < t1)
+          prefetch_lines<2>(&src.values(t + dense_prefetch_rows, kv_head, 0), D * sizeof(T));
         for (int c = 0; c < D; ++c) row[c] = to_float(v[c]);
-      else
+      } else {
         for (int c = 0; c < D; ++c) row[c] = to_float(v[c * stride]);
+      }
     }
     add_dense_value_tile_portable(acc, heads, D, w.scores + (ta - t0), tile, tz - ta);
   }
@@ -1871,10 +1872,11 @@ LYNX_ATTENTION_AVX512_TARGET void accumulate_values_avx512(const plane_kv_source
     float* ah = acc + h0 * D;
     dispatch<1, 2, 4>(hc, [&]<int HC>() {
       constexpr int NC = HC == 4 ? 2 : 4;
-      // c0 steps by the pass taken (written in the loop head: clang's -Wall reads a
-      // loop whose counter only a lambda moves as one that never ends).
-      for (int c0 = 0; c0 < D; c0 += D - c0 >= 16 * NC ? 16 * NC : 16) {
+      // c0 steps in the loop head (clang's -Wall reads a loop whose counter only a
+      // lambda moves as one that never ends) by the channels of the pass taken.
+      for (int c0 = 0, step = 0; c0 < D; c0 += step) {
         const int rest = D - c0;
+        step = rest >= 16 * NC ? 16 * NC : 16;
         auto pass = [&]<int N>() {
           const std::int64_t g_lo = c0 / VG, g_hi = (std::min(D, c0 + 16 * N) - 1) / VG;
           if (have_h0 != h0 || g_lo < have_g0 || g_hi >= have_g0 + have_gn) {
@@ -1901,7 +1903,7 @@ LYNX_ATTENTION_AVX512_TARGET void accumulate_values_avx512(const plane_kv_source
             one_group ? run.template operator()<false, true, 2>()
                       : run.template operator()<false, false, 2>();
         };
-        if (rest >= 16 * NC)
+        if (step == 16 * NC)
           pass.template operator()<NC>();
         else
           pass.template operator()<1>();
@@ -2026,7 +2028,8 @@ LYNX_ATTENTION_AVX512_TARGET void accumulate_values_avx512(const code_kv_source<
   for (int h0 = 0; h0 < heads;) {
     const int hc = heads - h0 >= 4 ? 4 : heads - h0 >= 2 ? 2 : 1;
     dispatch<1, 2, 4>(hc, [&]<int HC>() {
-      for (int c0 = 0; c0 < D; c0 += D - c0 >= 32 ? 32 : 16) {  // the pass taken
+      for (int c0 = 0, step = 0; c0 < D; c0 += step) {
+        step = D - c0 >= 32 ? 32 : 16;  // the channels of the pass taken
         auto pass = [&]<int NC>() {
           const float* wr[HC][NC];
           for (int h = 0; h < HC; ++h)
@@ -2043,7 +2046,7 @@ LYNX_ATTENTION_AVX512_TARGET void accumulate_values_avx512(const code_kv_source<
               add_value_codes_avx512<HC, NC, 4, Hint>(rows + c0, D, pairs, wr, out, walk);
           });
         };
-        if (D - c0 >= 32)
+        if (step == 32)
           pass.template operator()<2>();
         else
           pass.template operator()<1>();

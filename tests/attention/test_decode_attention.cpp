@@ -541,6 +541,26 @@ TEST_CASE("bad shapes are rejected with clear errors") {
              lynx::token_major<const float>(tv.data(), ts), qq, {0, 1}, {out.data()}, ws);
       },
       lynx::errc::invalid_argument, "workspace of 0 bytes");
+  // a SIMD path the CPU lacks is an error; one it has gives the portable bits
+  const auto portable = run_attention(tensor.view(), tk, tv, 4, H, D, q.data(), 2, 4, {2, 1}, 1,
+                                      lynx::attention_path::portable);
+  auto path_check = [&](lynx::attention_path path, bool has, const char* fragment) {
+    if (has) {
+      const auto out =
+          run_attention(tensor.view(), tk, tv, 4, H, D, q.data(), 2, 4, {2, 1}, 1, path);
+      CHECK(same_bits(portable, out.data(), out.size()));
+    } else {
+      expect(
+          [&] {
+            (void)run_attention(tensor.view(), tk, tv, 4, H, D, q.data(), 2, 4, {2, 1}, 1, path);
+          },
+          lynx::errc::invalid_argument, fragment);
+    }
+  };
+  path_check(lynx::attention_path::avx2, lynx::detail::host_has_fma(),
+             "AVX2 path requested on a CPU without AVX2 and FMA");
+  path_check(lynx::attention_path::avx512, lynx::detail::host_has_avx512(),
+             "AVX-512 path requested on a CPU without AVX-512F/BW");
 }
 
 TEST_CASE("non-finite input: the error names the query, tail or dense prompt element") {

@@ -87,11 +87,14 @@ struct dense_prompt {
 };
 
 enum class attention_path : std::uint8_t {
-  automatic,          // AVX-512 where the CPU has it and the shape allows, else portable
+  automatic,          // AVX-512 where the CPU has it and the shape allows, else AVX2 where the
+                      // CPU has AVX2 + FMA, else portable
   portable,           // plain loops (the reference walk; same bits as the AVX-512 one), compiled
                       // for AVX2 + FMA where the CPU has them
   avx512,             // error when the CPU lacks AVX-512
   portable_baseline,  // the portable loops as built (for the target the build chose): same bits
+  avx2,               // the AVX2 kernels (the portable loops for what they do not take); error
+                      // when the CPU lacks AVX2 + FMA
 };
 
 struct attention_options {
@@ -261,27 +264,36 @@ class decode_attention {
     const bool simd =
         (options.path == attention_path::automatic || options.path == attention_path::avx512) &&
         detail::host_has_avx512();
-    const bool fma = options.path != attention_path::portable_baseline && detail::host_has_fma();
     if (options.path == attention_path::avx512 && !detail::host_has_avx512())
       detail::fail(errc::invalid_argument,
                    "attention: AVX-512 path requested on a CPU without AVX-512F/BW");
+    if (options.path == attention_path::avx2 && !detail::host_has_fma())
+      detail::fail(errc::invalid_argument,
+                   "attention: AVX2 path requested on a CPU without AVX2 and FMA");
+    // the walk where the AVX-512 kernels do not take a source (or are not asked for)
+    const detail::host_walk fallback =
+        options.path == attention_path::portable_baseline || !detail::host_has_fma()
+            ? detail::host_walk::baseline
+        : options.path == attention_path::avx2 || options.path == attention_path::automatic
+            ? detail::host_walk::avx2
+            : detail::host_walk::fma;
     if (q.count == 0) return;
 
     if constexpr (std::is_same_v<Prompt, no_prompt>) {
       run(p, static_cast<const detail::dense_kv_source<TailT>*>(nullptr), tail_keys, tail_values, q,
-          vis, out, ws, options, simd, fma);
+          vis, out, ws, options, simd, fallback);
     } else if constexpr (requires { prompt.key_codes; }) {
       const detail::code_kv_source<std::remove_cvref_t<Prompt>> src{prompt};
-      run(p, &src, tail_keys, tail_values, q, vis, out, ws, options, simd, fma);
+      run(p, &src, tail_keys, tail_values, q, vis, out, ws, options, simd, fallback);
     } else if constexpr (requires { prompt.geometry; }) {
       using view_t = std::remove_cvref_t<Prompt>;
       const detail::plane_kv_source<typename view_t::plan, view_t::group_size> src{prompt,
                                                                                    prompt.planes()};
-      run(p, &src, tail_keys, tail_values, q, vis, out, ws, options, simd, fma);
+      run(p, &src, tail_keys, tail_values, q, vis, out, ws, options, simd, fallback);
     } else {
       using T = std::remove_const_t<typename decltype(prompt.keys)::element_type>;
       const detail::dense_kv_source<T> src{prompt.keys, prompt.values};
-      run(p, &src, tail_keys, tail_values, q, vis, out, ws, options, simd, fma);
+      run(p, &src, tail_keys, tail_values, q, vis, out, ws, options, simd, fallback);
     }
   }
 
@@ -345,13 +357,16 @@ class decode_attention {
   void run(const attention_problem& p, const Source* prompt_src,
            kv_view<const TailT, host_space> tail_keys, kv_view<const TailT, host_space> tail_values,
            const attention_queries& q, tail_visibility vis, attention_output out,
-           attention_workspace& ws, const attention_options& options, bool simd, bool fma) const {
+           attention_workspace& ws, const attention_options& options, bool simd,
+           detail::host_walk fallback) const {
     const int D = static_cast<int>(p.head_dim);
     const int heads = static_cast<int>(p.group_heads());
     const std::int64_t splits = p.splits(), prompt_splits = p.prompt_splits();
     const detail::dense_kv_source<TailT> tail{tail_keys, tail_values};
     const bool prompt_simd = simd && prompt_src != nullptr && detail::avx512_supports(*prompt_src);
     const bool tail_simd = simd && p.max_tail_visible > 0 && detail::avx512_supports(tail);
+    const detail::host_walk prompt_walk = prompt_simd ? detail::host_walk::avx512 : fallback,
+                            tail_walk = tail_simd ? detail::host_walk::avx512 : fallback;
     const float qscale = variant.query_scale(D);
     const std::int64_t window = variant.window();
     float* partials = ws.data();
@@ -445,10 +460,10 @@ class decode_attention {
                           std::min(p.prompt_tokens, (s2 + 1) * attention_split_tokens)};
               }
               detail::compute_split(*prompt_src, g, qg, heads, t0, t1, first_visible, variant,
-                                    prompt_simd, fma, w, m, l, acc, next);
+                                    prompt_walk, w, m, l, acc, next);
             } else {
-              detail::compute_split(tail, g, qg, heads, t0, t1, first_visible, variant, tail_simd,
-                                    fma, w, m, l, acc);
+              detail::compute_split(tail, g, qg, heads, t0, t1, first_visible, variant, tail_walk,
+                                    w, m, l, acc);
             }
           }
         }

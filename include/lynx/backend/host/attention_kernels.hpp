@@ -3,16 +3,17 @@
 // K/V row is read once for the group). The math comes from
 // attention/tile_math.hpp; this file only walks the data.
 //
-// Two paths, chosen at run time: a portable one (plain loops) and an AVX-512
-// one (function-level target attributes, used when the CPU has AVX-512F/BW).
-// Both evaluate the same operations in the same order, lane by lane:
+// Three paths, chosen at run time: a portable one (plain loops), an AVX-512 one
+// (function-level target attributes, used when the CPU has AVX-512F/BW) and an
+// AVX2 one (when it has AVX2 + FMA but not AVX-512; the portable loops where it
+// has no kernel). All evaluate the same operations in the same order, lane by lane:
 //  - bit-plane keys (and stored codes): lane = token; score = (0 + sum_c qs[c] * code[c] in
 //    channel order) + bias;
 //  - bit-plane values and dense values: lane = channel; acc = 0, acc += w[t] * v[t] in token
 //    order (bit-plane values then add the offset);
 //  - dense keys: 16 channel lanes summed in channel order, then a halving tree;
 //  - l = fixed_order_sum(p); p = attention_exp2(s2 - m).
-// so the two paths give the same bits (the tests check it).
+// so the paths give the same bits (the tests check it).
 #pragma once
 
 #include <algorithm>
@@ -2398,6 +2399,414 @@ LYNX_ATTENTION_AVX512_TARGET inline void score_heads_bf16_avx512(
 #endif
 #endif  // LYNX_ATTENTION_AVX512
 
+// ---------------------------------------------------------------------------
+// AVX2 kernels (x86-64 without AVX-512: AMD Zen 2/3, Intel client parts).
+// ---------------------------------------------------------------------------
+// The same operations in the same order as the portable walk, lane by lane, so
+// the same bits; a 16-lane sum of the fixed order is two 8-lane vectors (lanes
+// 0-7, lanes 8-15). Where a kernel here does not take a shape, the portable walk
+// compiled for AVX2 + FMA does (compute_split_avx2).
+#if LYNX_ATTENTION_AVX512
+#define LYNX_ATTENTION_AVX2_TARGET __attribute__((target("avx2,fma")))
+
+/// The halving tree (reduce_lanes) of four 16-lane sums at once, each given as
+/// its lanes 0-7 (lo) and 8-15 (hi): l += l+8, l += l+4, l += l+2, l += l+1.
+/// Returns the four totals in lanes 0, 4, 1 and 5 (sums 0, 1, 2, 3).
+LYNX_ATTENTION_AVX2_TARGET inline __m256 fold4_avx2(const __m256* lo, const __m256* hi) {
+  __m256 s[4];
+  for (int i = 0; i < 4; ++i) s[i] = _mm256_add_ps(lo[i], hi[i]);  // l += l + 8
+  // l += l + 4: the low 128 bits of sums 0 and 1 (2 and 3) plus their high 128 bits
+  const __m256 u0 = _mm256_add_ps(_mm256_permute2f128_ps(s[0], s[1], 0x20),
+                                  _mm256_permute2f128_ps(s[0], s[1], 0x31));
+  const __m256 u1 = _mm256_add_ps(_mm256_permute2f128_ps(s[2], s[3], 0x20),
+                                  _mm256_permute2f128_ps(s[2], s[3], 0x31));
+  // l += l + 2: [a0 a1 b0 b1] + [a2 a3 b2 b3] in each half (a: sum 0 or 1, b: sum 2 or 3)
+  const __m256 v = _mm256_add_ps(_mm256_shuffle_ps(u0, u1, 0x44), _mm256_shuffle_ps(u0, u1, 0xEE));
+  // l += l + 1: [v0 v2] + [v1 v3]
+  return _mm256_add_ps(_mm256_shuffle_ps(v, v, 0x88), _mm256_shuffle_ps(v, v, 0xDD));
+}
+
+/// Dense bf16 scores of HC (1, 2 or 4) heads against key row `row` (D a multiple
+/// of 32): the 32 channels of each step are widened as even and odd halves and
+/// multiplied by the query permuted the same way (qp: [HC][D], permute_query_bf16),
+/// so lane l of a head's sum takes channels 32j + 2l, then 32j + 2l + 1
+/// (dense_score_lane<bf16>); then the halving tree. out: [HC][S] at the token.
+template <int HC>
+LYNX_ATTENTION_AVX2_TARGET inline void score_bf16_row_avx2(const bf16* row, const float* qp, int D,
+                                                           float* out) {
+  __m256 lo[4], hi[4];
+  for (int h = 0; h < 4; ++h) lo[h] = hi[h] = _mm256_setzero_ps();
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int c = 0; c < D; c += 32) {
+    const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c));
+    const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c + 16));
+    const __m256 even0 = _mm256_castsi256_ps(_mm256_slli_epi32(x0, 16)),
+                 odd0 = _mm256_castsi256_ps(_mm256_and_si256(x0, high)),
+                 even1 = _mm256_castsi256_ps(_mm256_slli_epi32(x1, 16)),
+                 odd1 = _mm256_castsi256_ps(_mm256_and_si256(x1, high));
+    for (int h = 0; h < HC; ++h) {
+      const float* qh = qp + h * D + c;
+      lo[h] = _mm256_fmadd_ps(_mm256_loadu_ps(qh), even0, lo[h]);
+      hi[h] = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8), even1, hi[h]);
+      lo[h] = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 16), odd0, lo[h]);
+      hi[h] = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 24), odd1, hi[h]);
+    }
+  }
+  alignas(32) float r[8];
+  _mm256_store_ps(r, fold4_avx2(lo, hi));
+  constexpr int lane_of[4] = {0, 4, 1, 5};
+  for (int h = 0; h < HC; ++h) out[h * attention_split_tokens] = r[lane_of[h]];
+}
+
+/// Dense float scores of HC (1, 2 or 4) heads against key row `row` (D a multiple
+/// of 16): lane l of a head's sum takes channels 16j + l in channel order, then the
+/// halving tree. q: [HC][D].
+template <int HC>
+LYNX_ATTENTION_AVX2_TARGET inline void score_float_row_avx2(const float* row, const float* q, int D,
+                                                            float* out) {
+  __m256 lo[4], hi[4];
+  for (int h = 0; h < 4; ++h) lo[h] = hi[h] = _mm256_setzero_ps();
+  for (int c = 0; c < D; c += 16) {
+    const __m256 k0 = _mm256_loadu_ps(row + c), k1 = _mm256_loadu_ps(row + c + 8);
+    for (int h = 0; h < HC; ++h) {
+      lo[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * D + c), k0, lo[h]);
+      hi[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * D + c + 8), k1, hi[h]);
+    }
+  }
+  alignas(32) float r[8];
+  _mm256_store_ps(r, fold4_avx2(lo, hi));
+  constexpr int lane_of[4] = {0, 4, 1, 5};
+  for (int h = 0; h < HC; ++h) out[h * attention_split_tokens] = r[lane_of[h]];
+}
+
+/// Dense scores of tokens [t0, t1), four heads per pass over a row (avx2_supports:
+/// contiguous rows, head_dim a multiple of 32 for bf16 and of 16 for float). bf16
+/// queries are permuted into the value weight scratch (a dense source has none).
+template <class T>
+LYNX_ATTENTION_AVX2_TARGET void score_tokens_avx2(const dense_kv_source<T>& src,
+                                                  std::int64_t kv_head, const float* q, int heads,
+                                                  std::int64_t t0, std::int64_t t1,
+                                                  const split_scratch& w) {
+  const int D = src.head_dim();
+  const float* qp = q;
+  if constexpr (std::is_same_v<T, bf16>) {
+    permute_query_bf16(q, heads, D, D, w.weights);
+    qp = w.weights;
+  }
+  for (std::int64_t t = t0; t < t1; ++t) {
+    if (t + dense_prefetch_rows < t1)
+      prefetch_lines<2>(&src.keys(t + dense_prefetch_rows, kv_head, 0), D * sizeof(T));
+    const T* row = &src.keys(t, kv_head, 0);
+    float* out = w.scores + (t - t0);
+    for (int h = 0; h < heads;) {
+      const int hc = heads - h >= 4 ? 4 : heads - h >= 2 ? 2 : 1;
+      dispatch<1, 2, 4>(hc, [&]<int HC>() {
+        if constexpr (std::is_same_v<T, bf16>)
+          score_bf16_row_avx2<HC>(row, qp + h * D, D, out + h * attention_split_tokens);
+        else
+          score_float_row_avx2<HC>(row, qp + h * D, D, out + h * attention_split_tokens);
+      });
+      h += hc;
+    }
+  }
+}
+
+/// Dense values of HC (1..4) heads x 16 channels [c0, c0 + 16) over the n rows of a
+/// tile (rows[i][D], floats): lane = channel, one fused multiply-add per row in
+/// order, the sums carried in acc between calls (0 before the first). p: the
+/// weights of the tile's first row (heads attention_split_tokens apart).
+template <int HC>
+LYNX_ATTENTION_AVX2_TARGET inline void add_dense_tile_chunk_avx2(const float* rows, std::int64_t n,
+                                                                 int c0, const float* p, float* acc,
+                                                                 int D) {
+  __m256 a[HC][2];
+  for (int h = 0; h < HC; ++h) {
+    a[h][0] = _mm256_loadu_ps(acc + h * D + c0);
+    a[h][1] = _mm256_loadu_ps(acc + h * D + c0 + 8);
+  }
+  const float* row = rows + c0;
+  for (std::int64_t i = 0; i < n; ++i, row += D) {
+    const __m256 v0 = _mm256_load_ps(row), v1 = _mm256_load_ps(row + 8);
+    for (int h = 0; h < HC; ++h) {
+      const __m256 ph = _mm256_broadcast_ss(p + h * attention_split_tokens + i);
+      a[h][0] = _mm256_fmadd_ps(ph, v0, a[h][0]);
+      a[h][1] = _mm256_fmadd_ps(ph, v1, a[h][1]);
+    }
+  }
+  for (int h = 0; h < HC; ++h) {
+    _mm256_storeu_ps(acc + h * D + c0, a[h][0]);
+    _mm256_storeu_ps(acc + h * D + c0 + 8, a[h][1]);
+  }
+}
+
+/// A value row as floats into a tile row (16-float aligned): bf16 16 channels per
+/// load as even and odd halves (channels c + 2l, then c + 2l + 1), floats as they are.
+template <class T>
+LYNX_ATTENTION_AVX2_TARGET inline void tile_row_avx2(const T* x, int D, float* out) {
+  if constexpr (std::is_same_v<T, bf16>) {
+    const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+    for (int c = 0; c < D; c += 16) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + c));
+      _mm256_store_ps(out + c, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)));
+      _mm256_store_ps(out + c + 8, _mm256_castsi256_ps(_mm256_and_si256(v, high)));
+    }
+  } else {
+    for (int c = 0; c < D; c += 8) _mm256_store_ps(out + c, _mm256_loadu_ps(x + c));
+  }
+}
+
+/// 16 sums kept as accumulate_dense_chunk_avx2 keeps bf16 ones (channels 2l, then
+/// 2l + 1) put back in channel order, in place.
+LYNX_ATTENTION_AVX2_TARGET inline void unpermute_bf16_avx2(float* x16) {
+  const __m256 e = _mm256_loadu_ps(x16), o = _mm256_loadu_ps(x16 + 8);
+  const __m256 x = _mm256_unpacklo_ps(e, o),  // channels 0-3 | 8-11
+      y = _mm256_unpackhi_ps(e, o);           // channels 4-7 | 12-15
+  _mm256_storeu_ps(x16, _mm256_permute2f128_ps(x, y, 0x20));
+  _mm256_storeu_ps(x16 + 8, _mm256_permute2f128_ps(x, y, 0x31));
+}
+
+/// Dense values of tokens [t0, t1): acc[h][c] = sum_t p[h][t] * v[t][c]. The rows
+/// of a 32-token block are first copied as floats into a contiguous tile: read in
+/// place, rows kv_heads * head_dim apart (2 KiB for 8 x 128 bf16) fall in two L1
+/// sets per line and evict each other between the passes over channels. The sums
+/// are carried in acc (bf16: in tile_row_avx2's order until the end).
+template <class T>
+LYNX_ATTENTION_AVX2_TARGET void accumulate_values_avx2(const dense_kv_source<T>& src,
+                                                       std::int64_t kv_head, int heads,
+                                                       std::int64_t t0, std::int64_t t1, float* acc,
+                                                       const split_scratch& w) {
+  const int D = src.head_dim();
+  std::fill(acc, acc + heads * D, 0.0f);
+  for (std::int64_t ta = t0; ta < t1; ta += attention_block_tokens) {
+    const std::int64_t tz = std::min<std::int64_t>(ta + attention_block_tokens, t1);
+    for (std::int64_t t = ta; t < tz; ++t) {
+      if (t + dense_prefetch_rows < t1)
+        prefetch_lines<2>(&src.values(t + dense_prefetch_rows, kv_head, 0), D * sizeof(T));
+      tile_row_avx2(&src.values(t, kv_head, 0), D, w.tile + (t - ta) * D);
+    }
+    for (int h = 0; h < heads; h += 4) {
+      const float* p = w.scores + h * attention_split_tokens + (ta - t0);
+      for (int c0 = 0; c0 < D; c0 += 16)
+        dispatch<1, 2, 3, 4>(std::min(4, heads - h), [&]<int HC>() {
+          add_dense_tile_chunk_avx2<HC>(w.tile, tz - ta, c0, p, acc + h * D, D);
+        });
+    }
+  }
+  if constexpr (std::is_same_v<T, bf16>)
+    for (int i = 0; i < heads * D; i += 16) unpermute_bf16_avx2(acc + i);
+}
+
+/// attention_exp2 lane by lane (tile_math.hpp): the same operations.
+LYNX_ATTENTION_AVX2_TARGET inline __m256 exp2_avx2(__m256 x) {
+  const __m256 live = _mm256_cmp_ps(x, _mm256_set1_ps(-126.0f), _CMP_GT_OQ);
+  x = _mm256_and_ps(x, live);
+  const __m256 magic = _mm256_set1_ps(12582912.0f);
+  const __m256 n = _mm256_sub_ps(_mm256_add_ps(x, magic), magic);
+  const __m256 f = _mm256_sub_ps(x, n);
+  __m256 p = _mm256_set1_ps(1.5252733804059840e-05f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.5403530393381609e-04f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558146428443e-03f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291076284772e-03f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504108664821580e-02f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022650695910071e-01f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718055994531e-01f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  const __m256i e =
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), live);
+}
+
+/// Lanes [0, k) of 8 set (k <= 8), as a mask for maskload / maskstore / blends.
+LYNX_ATTENTION_AVX2_TARGET inline __m256i first_lanes_avx2(std::int64_t k) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(k)),
+                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+/// s[i] = exp2(s[i] - m) in place; returns fixed_order_sum of the results (lanes
+/// 0-7 and 8-15 of each 16 summed as they are made, then the halving tree).
+LYNX_ATTENTION_AVX2_TARGET inline float exp2_shifted_sum_avx2(float* s, std::int64_t n, float m) {
+  const __m256 mv = _mm256_set1_ps(m);
+  __m256 lane[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  std::int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = exp2_avx2(_mm256_sub_ps(_mm256_loadu_ps(s + i), mv));
+    _mm256_storeu_ps(s + i, e);
+    lane[(i / 8) % 2] = _mm256_add_ps(lane[(i / 8) % 2], e);
+  }
+  if (i < n) {
+    const __m256i k = first_lanes_avx2(n - i);
+    const __m256 e = exp2_avx2(_mm256_sub_ps(_mm256_maskload_ps(s + i, k), mv));
+    _mm256_maskstore_ps(s + i, k, e);
+    __m256& a = lane[(i / 8) % 2];
+    a = _mm256_blendv_ps(a, _mm256_add_ps(a, e), _mm256_castsi256_ps(k));
+  }
+  alignas(32) float r[16];
+  _mm256_store_ps(r, lane[0]);
+  _mm256_store_ps(r + 8, lane[1]);
+  return reduce_lanes(r);
+}
+
+/// Logits to the log2 domain with tokens before first_visible masked; returns the
+/// max and sets `bad` for a visible logit that is not finite (prepare_scores_avx512).
+LYNX_ATTENTION_AVX2_TARGET inline float prepare_scores_avx2(float* s, std::int64_t n,
+                                                            std::int64_t t0,
+                                                            std::int64_t first_visible, bool& bad) {
+  const __m256 log2e = _mm256_set1_ps(attention_log2e), ninf = _mm256_set1_ps(attention_neg_inf);
+  const __m256i exponent = _mm256_set1_epi32(0x7F800000);
+  __m256 mx = ninf;
+  __m256i non_finite = _mm256_setzero_si256();
+  for (std::int64_t i = 0; i < n; i += 8) {
+    const __m256i live = first_lanes_avx2(n - i);
+    // visible: t0 + i + lane >= first_visible  <=>  lane > first_visible - t0 - i - 1
+    const std::int64_t need = std::clamp<std::int64_t>(first_visible - t0 - i, 0, 8);
+    const __m256i seen = _mm256_cmpgt_epi32(_mm256_setr_epi32(1, 2, 3, 4, 5, 6, 7, 8),
+                                            _mm256_set1_epi32(static_cast<int>(need)));
+    const __m256 x = _mm256_blendv_ps(ninf, _mm256_mul_ps(_mm256_maskload_ps(s + i, live), log2e),
+                                      _mm256_castsi256_ps(seen));
+    _mm256_maskstore_ps(s + i, live, x);
+    mx = _mm256_blendv_ps(mx, _mm256_max_ps(mx, x), _mm256_castsi256_ps(live));
+    const __m256i e = _mm256_and_si256(_mm256_castps_si256(x), exponent);
+    non_finite = _mm256_or_si256(non_finite, _mm256_and_si256(_mm256_and_si256(live, seen),
+                                                              _mm256_cmpeq_epi32(e, exponent)));
+  }
+  bad = !_mm256_testz_si256(non_finite, non_finite);
+  alignas(32) float r[8];
+  _mm256_store_ps(r, mx);
+  float m = r[0];
+  for (int l = 1; l < 8; ++l) m = r[l] > m ? r[l] : m;
+  return m;
+}
+
+/// Channel c of P plane words (P <= 8, from rows[0..P)) as one byte per token: byte
+/// t of the result holds bit t of plane j at bit P - 1 - j (the code's prefix).
+/// Each word is spread to one byte per bit (byte t: the word's byte t / 8), its
+/// bit t mod 8 tested, and the codes built up a plane at a time: code * 2 + bit.
+template <int P>
+LYNX_ATTENTION_AVX2_TARGET inline __m256i plane_code_bytes_avx2(const std::uint32_t* const* rows,
+                                                                int c) {
+  static_assert(P >= 1 && P <= 8);
+  const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2,
+                                          2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+  const __m256i bit = _mm256_set1_epi64x(static_cast<long long>(0x8040201008040201ull));
+  __m256i code = _mm256_setzero_si256();
+  for (int j = 0; j < P; ++j) {
+    const __m256i x = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(rows[j][c])), spread);
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(x, bit), bit);  // -1 where set
+    code = _mm256_sub_epi8(_mm256_add_epi8(code, code), set);
+  }
+  return code;
+}
+
+/// Codes of one 32-token block of P planes as floats, tile[c][32] with lane =
+/// token (the codes decode_key_tile_portable gives, in token order). More than 8
+/// planes: planes 0..7 give the high byte, 8..P-1 the low, code = high << (P - 8) | low.
+template <int P>
+LYNX_ATTENTION_AVX2_TARGET inline void decode_key_tile_avx2(const std::uint32_t* const* rows, int D,
+                                                            float* tile) {
+  constexpr int PH = P < 8 ? P : 8, PL = P - PH;
+  for (int c = 0; c < D; ++c) {
+    const __m256i high = plane_code_bytes_avx2<PH>(rows, c);
+    const __m128i h[4] = {
+        _mm256_castsi256_si128(high), _mm_srli_si128(_mm256_castsi256_si128(high), 8),
+        _mm256_extracti128_si256(high, 1), _mm_srli_si128(_mm256_extracti128_si256(high, 1), 8)};
+    float* out = tile + c * attention_block_tokens;
+    if constexpr (PL == 0) {
+      for (int i = 0; i < 4; ++i)
+        _mm256_store_ps(out + 8 * i, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(h[i])));
+    } else {
+      const __m256i low = plane_code_bytes_avx2<PL>(rows + PH, c);
+      const __m128i l[4] = {
+          _mm256_castsi256_si128(low), _mm_srli_si128(_mm256_castsi256_si128(low), 8),
+          _mm256_extracti128_si256(low, 1), _mm_srli_si128(_mm256_extracti128_si256(low, 1), 8)};
+      for (int i = 0; i < 4; ++i)
+        _mm256_store_ps(out + 8 * i, _mm256_cvtepi32_ps(_mm256_or_si256(
+                                         _mm256_slli_epi32(_mm256_cvtepu8_epi32(h[i]), PL),
+                                         _mm256_cvtepu8_epi32(l[i]))));
+    }
+  }
+}
+
+/// Scores of tokens [la, lb) of a block for HC (1..4) heads (score_block_portable's
+/// operations): bias[h] + sum_c qs[h][c] * tile[c][t], the sum from 0 in channel
+/// order, 16 tokens per pass. out: [HC][S] at the block's first token.
+template <int HC>
+LYNX_ATTENTION_AVX2_TARGET inline void score_tile_avx2(const float* tile, int D, const float* qs,
+                                                       const float* bias, float* out, int la,
+                                                       int lb) {
+  static_assert(HC >= 1 && HC <= 4);
+  for (int t0 = 0; t0 < attention_block_tokens; t0 += 16) {
+    if (t0 >= lb || t0 + 16 <= la) continue;
+    // named sums, not an array: GCC 12 kept an array of them in memory as well
+    __m256 a0 = _mm256_setzero_ps(), b0 = a0, a1 = a0, b1 = a0, a2 = a0, b2 = a0, a3 = a0, b3 = a0;
+    const float* k = tile + t0;
+    for (int c = 0; c < D; ++c, k += attention_block_tokens) {
+      const __m256 k0 = _mm256_load_ps(k), k1 = _mm256_load_ps(k + 8);
+      const __m256 q0 = _mm256_broadcast_ss(qs + c);
+      a0 = _mm256_fmadd_ps(q0, k0, a0);
+      b0 = _mm256_fmadd_ps(q0, k1, b0);
+      if constexpr (HC > 1) {
+        const __m256 q1 = _mm256_broadcast_ss(qs + D + c);
+        a1 = _mm256_fmadd_ps(q1, k0, a1);
+        b1 = _mm256_fmadd_ps(q1, k1, b1);
+      }
+      if constexpr (HC > 2) {
+        const __m256 q2 = _mm256_broadcast_ss(qs + 2 * D + c);
+        a2 = _mm256_fmadd_ps(q2, k0, a2);
+        b2 = _mm256_fmadd_ps(q2, k1, b2);
+      }
+      if constexpr (HC > 3) {
+        const __m256 q3 = _mm256_broadcast_ss(qs + 3 * D + c);
+        a3 = _mm256_fmadd_ps(q3, k0, a3);
+        b3 = _mm256_fmadd_ps(q3, k1, b3);
+      }
+    }
+    const __m256 lo[4] = {a0, a1, a2, a3}, hi[4] = {b0, b1, b2, b3};
+    const int ta = std::max(la, t0), tz = std::min(lb, t0 + 16);
+    for (int h = 0; h < HC; ++h) {
+      const __m256 bv = _mm256_set1_ps(bias[h]);
+      alignas(32) float r[16];
+      _mm256_store_ps(r, _mm256_add_ps(lo[h], bv));
+      _mm256_store_ps(r + 8, _mm256_add_ps(hi[h], bv));
+      float* o = out + h * attention_split_tokens;
+      for (int t = ta; t < tz; ++t) o[t] = r[t - t0];
+    }
+  }
+}
+
+/// Logits of tokens [t0, t1) of a bit-plane prompt (score_blocks_portable's walk):
+/// each block decoded once by decode_key_tile_avx2, scored per key group it holds.
+template <stream_plan_type Plan, int G>
+LYNX_ATTENTION_AVX2_TARGET void score_tokens_avx2(const plane_kv_source<Plan, G>& src,
+                                                  std::int64_t kv_head, const float* q, int heads,
+                                                  std::int64_t t0, std::int64_t t1,
+                                                  const split_scratch& w) {
+  const layer_geometry& g = src.view.geometry;
+  const int D = static_cast<int>(g.head_dim);
+  const std::int64_t KG = g.key_group;
+  std::int64_t folded_group = -1;
+  const std::uint32_t* rows[16];
+  for (std::int64_t b = t0 / attention_block_tokens; b * attention_block_tokens < t1; ++b) {
+    const std::int64_t tb = b * attention_block_tokens;
+    src.prefetch_block(true, kv_head, b + prefetch_blocks);
+    src.block_rows(true, kv_head, b, rows);
+    with_plane_count<Plan::bits>(src.planes,
+                                 [&](auto p) { decode_key_tile_avx2<p()>(rows, D, w.tile); });
+    for (std::int64_t a = std::max(tb, t0); a < std::min(tb + attention_block_tokens, t1);) {
+      const std::int64_t e = std::min({(a / KG + 1) * KG, tb + attention_block_tokens, t1});
+      if (a / KG != folded_group)
+        fold_queries_portable(src, kv_head, folded_group = a / KG, q, heads, w);
+      for (int h = 0; h < heads; h += 4)
+        dispatch<1, 2, 3, 4>(std::min(4, heads - h), [&]<int HC>() {
+          score_tile_avx2<HC>(w.tile, D, w.qs + h * D, w.bias + h,
+                              w.scores + h * attention_split_tokens + (tb - t0),
+                              static_cast<int>(a - tb), static_cast<int>(e - tb));
+        });
+      a = e;
+    }
+  }
+}
+#endif  // LYNX_ATTENTION_AVX512
+
 /// Whether the AVX-512 kernels handle this source (else the portable ones do).
 template <stream_plan_type Plan, int G>
 bool avx512_supports(const plane_kv_source<Plan, G>&) {
@@ -2419,17 +2828,23 @@ bool avx512_supports(const dense_kv_source<T>& src) {
 /// Softmax of one head's scores over one split, in place: s becomes p =
 /// exp2(s * log2(e) - m) (0 before first_visible), m its maximum and l = sum(p)
 /// in fixed order; all masked: m = -inf, l = 0, p = 0.
+/// Which loops a split is walked with: the portable ones as built, the portable ones
+/// compiled for AVX2 + FMA, the AVX2 kernels, the AVX-512 kernels (same bits).
+enum class host_walk : std::uint8_t { baseline, fma, avx2, avx512 };
+
 template <class Variant>
 void softmax_split(float* s, std::int64_t n, std::int64_t t0, std::int64_t first_visible,
-                   const Variant& variant, bool simd, float& m, float& l) {
-  (void)simd;
+                   const Variant& variant, host_walk walk, float& m, float& l) {
+  (void)walk;
   if constexpr (Variant::has_logit_transform)
     for (std::int64_t i = 0; i < n; ++i) s[i] = variant.transform_logit(s[i]);
   float mx = attention_neg_inf;
   bool bad = false;
 #if LYNX_ATTENTION_AVX512
-  if (simd) {
+  if (walk == host_walk::avx512) {
     mx = prepare_scores_avx512(s, n, t0, first_visible, bad);
+  } else if (walk == host_walk::avx2) {
+    mx = prepare_scores_avx2(s, n, t0, first_visible, bad);
   } else
 #endif
   {
@@ -2457,8 +2872,12 @@ void softmax_split(float* s, std::int64_t n, std::int64_t t0, std::int64_t first
     return;
   }
 #if LYNX_ATTENTION_AVX512
-  if (simd) {
+  if (walk == host_walk::avx512) {
     l = exp2_shifted_sum_avx512(s, n, mx);
+    return;
+  }
+  if (walk == host_walk::avx2) {
+    l = exp2_shifted_sum_avx2(s, n, mx);
     return;
   }
 #endif
@@ -2478,8 +2897,8 @@ void compute_split_portable(const Source& src, std::int64_t kv_head, const float
                             float* acc) {
   score_tokens_portable(src, kv_head, q, heads, t0, t1, w);
   for (int h = 0; h < heads; ++h)
-    softmax_split(w.scores + h * attention_split_tokens, t1 - t0, t0, first_visible, variant, false,
-                  m[h], l[h]);
+    softmax_split(w.scores + h * attention_split_tokens, t1 - t0, t0, first_visible, variant,
+                  host_walk::baseline, m[h], l[h]);
   if constexpr (requires { src.view; }) value_weights_portable(src, kv_head, heads, t0, t1, w);
   accumulate_values_portable(src, kv_head, heads, t0, t1, acc, w);
 }
@@ -2507,24 +2926,67 @@ LYNX_ATTENTION_FMA_CLONE void compute_split_portable_fma(
 }
 #endif
 
-/// simd: the AVX-512 walk; else the portable one, compiled for AVX2 + FMA when `fma`.
+#if LYNX_ATTENTION_AVX512
+/// Whether the AVX2 dense kernels take this source: contiguous rows, head_dim a
+/// multiple of 32 (bf16: the score lanes pair channels within 32) or of 16 (float).
+template <class T>
+bool avx2_supports(const dense_kv_source<T>& src) {
+  return src.head_dim() % (std::is_same_v<T, bf16> ? 32 : 16) == 0 &&
+         src.keys.channel_stride == 1 && src.values.channel_stride == 1;
+}
+
+/// The AVX2 walk: the AVX2 kernels where they take the source, the portable loops
+/// (compiled for AVX2 + FMA, everything inlined, no contraction) for the rest.
+template <class Source, class Variant>
+LYNX_ATTENTION_FMA_CLONE void compute_split_avx2(const Source& src, std::int64_t kv_head,
+                                                 const float* q, int heads, std::int64_t t0,
+                                                 std::int64_t t1, std::int64_t first_visible,
+                                                 const Variant& variant, const split_scratch& w,
+                                                 float* m, float* l, float* acc) {
+  bool dense = false;
+  if constexpr (requires { src.keys; }) dense = avx2_supports(src);
+  if constexpr (requires { src.keys; }) {
+    if (dense) score_tokens_avx2(src, kv_head, q, heads, t0, t1, w);
+  } else if constexpr (requires { src.prefetch_block(true, 0, 0); }) {  // bit planes
+    score_tokens_avx2(src, kv_head, q, heads, t0, t1, w);
+  } else {
+    score_tokens_portable(src, kv_head, q, heads, t0, t1, w);
+  }
+  if constexpr (requires { src.keys; }) {
+    if (!dense) score_tokens_portable(src, kv_head, q, heads, t0, t1, w);
+  }
+  for (int h = 0; h < heads; ++h)
+    softmax_split(w.scores + h * attention_split_tokens, t1 - t0, t0, first_visible, variant,
+                  host_walk::avx2, m[h], l[h]);
+  if constexpr (requires { src.view; }) value_weights_portable(src, kv_head, heads, t0, t1, w);
+  if constexpr (requires { src.keys; }) {
+    if (dense) {
+      accumulate_values_avx2(src, kv_head, heads, t0, t1, acc, w);
+      return;
+    }
+  }
+  accumulate_values_portable(src, kv_head, heads, t0, t1, acc, w);
+}
+#endif
+
+/// One split walked as `walk` says (the AVX-512 kernels fall back to nothing:
+/// the caller picks host_walk::avx512 only where avx512_supports).
 template <class Source, class Variant>
 void compute_split(const Source& src, std::int64_t kv_head, const float* q, int heads,
                    std::int64_t t0, std::int64_t t1, std::int64_t first_visible,
-                   const Variant& variant, bool simd, bool fma, const split_scratch& w, float* m,
+                   const Variant& variant, host_walk walk, const split_scratch& w, float* m,
                    float* l, float* acc, const next_split& next = {}) {
   (void)next;
-  (void)fma;
 #if LYNX_ATTENTION_AVX512
-  if (simd) {
+  if (walk == host_walk::avx512) {
     const std::int64_t n = t1 - t0;
     if constexpr (requires { src.view; })
       score_tokens_avx512(src, kv_head, q, heads, t0, t1, w, next);
     else
       score_tokens_avx512(src, kv_head, q, heads, t0, t1, w);
     for (int h = 0; h < heads; ++h)
-      softmax_split(w.scores + h * attention_split_tokens, n, t0, first_visible, variant, true,
-                    m[h], l[h]);
+      softmax_split(w.scores + h * attention_split_tokens, n, t0, first_visible, variant,
+                    host_walk::avx512, m[h], l[h]);
     if constexpr (requires { src.view; }) {
       // the GFNI value kernels compute their weights pass by pass
       if (!gfni_values(src)) value_weights_avx512(src, kv_head, heads, t0, t1, w);
@@ -2534,13 +2996,17 @@ void compute_split(const Source& src, std::int64_t kv_head, const float* q, int 
     }
     return;
   }
-  if (fma) {
+  if (walk == host_walk::avx2) {
+    compute_split_avx2(src, kv_head, q, heads, t0, t1, first_visible, variant, w, m, l, acc);
+    return;
+  }
+  if (walk == host_walk::fma) {
     compute_split_portable_fma(src, kv_head, q, heads, t0, t1, first_visible, variant, w, m, l,
                                acc);
     return;
   }
 #else
-  (void)simd;
+  (void)walk;
 #endif
   compute_split_portable_unfused(src, kv_head, q, heads, t0, t1, first_visible, variant, w, m, l,
                                  acc);
@@ -2579,7 +3045,7 @@ void compute_split_heads(const dense_kv_source<bf16>& src, std::int64_t g0, int 
     float* state = state0 + j * state_stride;
     for (int h = 0; h < heads; ++h)
       softmax_split(w.scores + (j * heads + h) * attention_split_tokens, n, t0, first_visible,
-                    variant, true, state[h], state[heads + h]);
+                    variant, host_walk::avx512, state[h], state[heads + h]);
   }
   // values one kv head at a time: walked together like the keys, they measured
   // slower (32-token blocks of every kv head in turn, sums kept in memory between

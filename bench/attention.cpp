@@ -14,6 +14,8 @@
 // After the runs it prints each case's time as a multiple of its floor
 // max(memory, compute) and as a ratio to the bf16 baseline of the same shape,
 // then the one-time cost of merging a complete layer into codes.
+// LYNX_ATTENTION_PATH=portable|avx2|avx512 runs the cases on that path (default:
+// automatic), to compare paths with one binary.
 // On a shared machine run with --benchmark_repetitions=N: the table takes the
 // median repetition of every benchmark (floors and cases alike).
 #include <benchmark/benchmark.h>
@@ -201,6 +203,22 @@ layer_data& layer(std::int64_t T) {
   return *p;
 }
 
+// The attention path of every case: LYNX_ATTENTION_PATH=portable, avx2, avx512 or
+// automatic (the default), so that one binary measures a path against another.
+lynx::attention_path bench_path() {
+  const char* e = std::getenv("LYNX_ATTENTION_PATH");
+  const std::string v = e ? e : "automatic";
+  if (v == "portable") return lynx::attention_path::portable;
+  if (v == "avx2") return lynx::attention_path::avx2;
+  if (v == "avx512") return lynx::attention_path::avx512;
+  if (v != "automatic") {
+    std::fprintf(stderr, "LYNX_ATTENTION_PATH=%s: expected portable, avx2, avx512 or automatic\n",
+                 v.c_str());
+    std::exit(2);
+  }
+  return lynx::attention_path::automatic;
+}
+
 void run_case(benchmark::State& state, which w, std::int64_t T, int threads) {
   layer_data& d = layer(T);
   const lynx::attention_queries q{d.query.data(), 1, q_heads, head_dim};
@@ -214,10 +232,11 @@ void run_case(benchmark::State& state, which w, std::int64_t T, int threads) {
   const lynx::dense_prompt<lynx::bf16> dense{
       lynx::token_major<const lynx::bf16>(d.keys.data(), shape),
       lynx::token_major<const lynx::bf16>(d.values.data(), shape)};
+  const lynx::attention_path path = bench_path();
   auto call = [&](const auto& prompt) {
     ws.reserve(attn.problem(prompt, no_tail, q, vis), threads);
     for (auto _ : state) {
-      attn(prompt, no_tail, no_tail, q, vis, {out.data()}, ws, {threads});
+      attn(prompt, no_tail, no_tail, q, vis, {out.data()}, ws, {threads, path});
       benchmark::DoNotOptimize(out.data());
       benchmark::ClobberMemory();
     }
@@ -373,10 +392,12 @@ int main(int argc, char** argv) {
   benchmark::RunSpecifiedBenchmarks(&reporter);
   benchmark::Shutdown();
 
+  const char* path = std::getenv("LYNX_ATTENTION_PATH");
   std::printf(
-      "\nDecode attention, 1 query, %lld q heads, %lld kv heads, head_dim %lld (times in ms)\n",
+      "\nDecode attention, 1 query, %lld q heads, %lld kv heads, head_dim %lld, path %s (times in "
+      "ms)\n",
       static_cast<long long>(q_heads), static_cast<long long>(kv_heads),
-      static_cast<long long>(head_dim));
+      static_cast<long long>(head_dim), path ? path : "automatic");
   std::printf("%-15s %7s %7s %9s %9s %9s %12s %9s\n", "case", "tokens", "threads", "time", "memory",
               "compute", "x floor", "vs bf16");
   for (std::int64_t T : contexts)

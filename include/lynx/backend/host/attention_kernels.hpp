@@ -934,19 +934,20 @@ inline void exp2_shifted_portable(float* s, std::int64_t n, float m) {
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #endif
 
+/// attention_exp2's polynomial (tile_math.hpp), highest degree first: the SIMD
+/// kernels evaluate it with the same fused multiply-adds in the same order.
+inline constexpr float exp2_poly[8] = {1.5252733804059840e-05f, 1.5403530393381609e-04f,
+                                       1.3333558146428443e-03f, 9.6181291076284772e-03f,
+                                       5.5504108664821580e-02f, 2.4022650695910071e-01f,
+                                       6.9314718055994531e-01f, 1.0f};
+
 LYNX_ATTENTION_AVX512_TARGET inline __m512 exp2_avx512(__m512 x) {
   const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.0f), _CMP_GT_OQ);
   const __m512 magic = _mm512_set1_ps(12582912.0f);
   const __m512 n = _mm512_sub_ps(_mm512_add_ps(x, magic), magic);
   const __m512 f = _mm512_sub_ps(x, n);
-  __m512 p = _mm512_set1_ps(1.5252733804059840e-05f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530393381609e-04f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-03f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-03f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-02f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-01f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-01f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  __m512 p = _mm512_set1_ps(exp2_poly[0]);
+  for (int i = 1; i < 8; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(exp2_poly[i]));
   const __m512i e = _mm512_slli_epi32(
       _mm512_add_epi32(_mm512_cvttps_epi32(_mm512_maskz_mov_ps(live, n)), _mm512_set1_epi32(127)),
       23);
@@ -2555,7 +2556,7 @@ LYNX_ATTENTION_AVX2_TARGET inline void tile_row_avx2(const T* x, int D, float* o
   }
 }
 
-/// 16 sums kept as accumulate_dense_chunk_avx2 keeps bf16 ones (channels 2l, then
+/// 16 sums kept in the order of tile_row_avx2's bf16 rows (channels 2l, then
 /// 2l + 1) put back in channel order, in place.
 LYNX_ATTENTION_AVX2_TARGET inline void unpermute_bf16_avx2(float* x16) {
   const __m256 e = _mm256_loadu_ps(x16), o = _mm256_loadu_ps(x16 + 8);
@@ -2603,14 +2604,8 @@ LYNX_ATTENTION_AVX2_TARGET inline __m256 exp2_avx2(__m256 x) {
   const __m256 magic = _mm256_set1_ps(12582912.0f);
   const __m256 n = _mm256_sub_ps(_mm256_add_ps(x, magic), magic);
   const __m256 f = _mm256_sub_ps(x, n);
-  __m256 p = _mm256_set1_ps(1.5252733804059840e-05f);
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.5403530393381609e-04f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558146428443e-03f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291076284772e-03f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504108664821580e-02f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022650695910071e-01f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718055994531e-01f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  __m256 p = _mm256_set1_ps(exp2_poly[0]);
+  for (int i = 1; i < 8; ++i) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(exp2_poly[i]));
   const __m256i e =
       _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), live);
@@ -2928,11 +2923,13 @@ LYNX_ATTENTION_FMA_CLONE void compute_split_portable_fma(
 
 #if LYNX_ATTENTION_AVX512
 /// Whether the AVX2 dense kernels take this source: contiguous rows, head_dim a
-/// multiple of 32 (bf16: the score lanes pair channels within 32) or of 16 (float).
+/// multiple of 32 (bf16: the score lanes pair channels within 32) or of 16 (float);
+/// bf16: the permuted queries must fit the value weight scratch (score_tokens_avx2).
 template <class T>
 bool avx2_supports(const dense_kv_source<T>& src) {
   return src.head_dim() % (std::is_same_v<T, bf16> ? 32 : 16) == 0 &&
-         src.keys.channel_stride == 1 && src.values.channel_stride == 1;
+         src.keys.channel_stride == 1 && src.values.channel_stride == 1 &&
+         (!std::is_same_v<T, bf16> || src.head_dim() <= attention_split_tokens);
 }
 
 /// The AVX2 walk: the AVX2 kernels where they take the source, the portable loops

@@ -2940,17 +2940,17 @@ LYNX_ATTENTION_FMA_CLONE void compute_split_avx2(const Source& src, std::int64_t
                                                  std::int64_t t1, std::int64_t first_visible,
                                                  const Variant& variant, const split_scratch& w,
                                                  float* m, float* l, float* acc) {
-  bool dense = false;
-  if constexpr (requires { src.keys; }) dense = avx2_supports(src);
+  bool dense = false;  // a dense source the AVX2 kernels take
   if constexpr (requires { src.keys; }) {
-    if (dense) score_tokens_avx2(src, kv_head, q, heads, t0, t1, w);
+    dense = avx2_supports(src);
+    if (dense)
+      score_tokens_avx2(src, kv_head, q, heads, t0, t1, w);
+    else
+      score_tokens_portable(src, kv_head, q, heads, t0, t1, w);
   } else if constexpr (requires { src.prefetch_block(true, 0, 0); }) {  // bit planes
     score_tokens_avx2(src, kv_head, q, heads, t0, t1, w);
-  } else {
+  } else {  // merged codes
     score_tokens_portable(src, kv_head, q, heads, t0, t1, w);
-  }
-  if constexpr (requires { src.keys; }) {
-    if (!dense) score_tokens_portable(src, kv_head, q, heads, t0, t1, w);
   }
   for (int h = 0; h < heads; ++h)
     softmax_split(w.scores + h * attention_split_tokens, t1 - t0, t0, first_visible, variant,

@@ -2672,65 +2672,113 @@ LYNX_ATTENTION_AVX2_TARGET inline float prepare_scores_avx2(float* s, std::int64
   return m;
 }
 
-/// Channel c of P plane words (P <= 8, from rows[0..P)) as one byte per token: byte
-/// t of the result holds bit t of plane j at bit P - 1 - j (the code's prefix).
-/// Each word is spread to one byte per bit (byte t: the word's byte t / 8), its
-/// bit t mod 8 tested, and the codes built up a plane at a time: code * 2 + bit.
-template <int P>
-LYNX_ATTENTION_AVX2_TARGET inline __m256i plane_code_bytes_avx2(const std::uint32_t* const* rows,
-                                                                int c) {
-  static_assert(P >= 1 && P <= 8);
-  const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2,
-                                          2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
-  const __m256i bit = _mm256_set1_epi64x(static_cast<long long>(0x8040201008040201ull));
-  __m256i code = _mm256_setzero_si256();
-  for (int j = 0; j < P; ++j) {
-    const __m256i x = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(rows[j][c])), spread);
-    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(x, bit), bit);  // -1 where set
-    code = _mm256_sub_epi8(_mm256_add_epi8(code, code), set);
-  }
-  return code;
+/// Exchanges bit b + S of each byte of a with bit b of the same byte of b (the
+/// bits of m): swap_bits on eight lanes.
+template <int S>
+LYNX_ATTENTION_AVX2_TARGET inline void swap_bits_avx2(__m256i& a, __m256i& b, __m256i m) {
+  const __m256i t = _mm256_and_si256(_mm256_xor_si256(_mm256_srli_epi32(a, S), b), m);
+  b = _mm256_xor_si256(b, t);
+  a = _mm256_xor_si256(a, _mm256_slli_epi32(t, S));
 }
 
-/// Codes of one 32-token block of P planes as floats, tile[c][32] with lane =
-/// token (the codes decode_key_tile_portable gives, in token order). More than 8
-/// planes: planes 0..7 give the high byte, 8..P-1 the low, code = high << (P - 8) | low.
+/// The codes of one 32-token block of N (<= 8) planes at channels [c, c + 8), a
+/// lane each, as bytes: byte g of lane l of r[i] is token 8g + i's code in channel
+/// c + l (plane 0 at bit N - 1, the bits above N 0). Each lane's plane words are
+/// the rows of an 8 x 32 bit matrix (plane N - 1 - k as row k, absent planes 0),
+/// transposed as four 8x8 blocks like transpose_bytes_8x8.
+template <int N>
+LYNX_ATTENTION_AVX2_TARGET inline void plane_code_lanes_avx2(const std::uint32_t* const* row, int c,
+                                                             __m256i* r) {
+  static_assert(N >= 1 && N <= 8);
+  for (int k = 0; k < 8; ++k)
+    r[k] = k < N ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row[(N - 1 - k) % N] + c))
+                 : _mm256_setzero_si256();
+  const __m256i m4 = _mm256_set1_epi32(0x0f0f0f0f), m2 = _mm256_set1_epi32(0x33333333),
+                m1 = _mm256_set1_epi32(0x55555555);
+  for (int i = 0; i < 4; ++i) swap_bits_avx2<4>(r[i], r[i + 4], m4);
+  for (int i : {0, 1, 4, 5}) swap_bits_avx2<2>(r[i], r[i + 2], m2);
+  for (int i : {0, 2, 4, 6}) swap_bits_avx2<1>(r[i], r[i + 1], m1);
+}
+
+/// x[l] lane i = r[i] lane l: an 8 x 8 transpose of 32-bit lanes.
+LYNX_ATTENTION_AVX2_TARGET inline void transpose_8x8_epi32_avx2(const __m256i* r, __m256i* x) {
+  __m256i t[8], u[8];
+  for (int k = 0; k < 4; ++k) {
+    t[2 * k] = _mm256_unpacklo_epi32(r[2 * k], r[2 * k + 1]);      // lanes 0, 1 | 4, 5
+    t[2 * k + 1] = _mm256_unpackhi_epi32(r[2 * k], r[2 * k + 1]);  // lanes 2, 3 | 6, 7
+  }
+  for (int k = 0; k < 2; ++k)
+    for (int j = 0; j < 2; ++j) {
+      u[4 * k + 2 * j] = _mm256_unpacklo_epi64(t[4 * k + j], t[4 * k + j + 2]);      // lane 2j | +4
+      u[4 * k + 2 * j + 1] = _mm256_unpackhi_epi64(t[4 * k + j], t[4 * k + j + 2]);  // 2j + 1
+    }
+  for (int l = 0; l < 4; ++l) {
+    x[l] = _mm256_permute2x128_si256(u[l], u[4 + l], 0x20);
+    x[l + 4] = _mm256_permute2x128_si256(u[l], u[4 + l], 0x31);
+  }
+}
+
+/// Bytes 8q..8q+7 of v as eight 32-bit lanes.
+LYNX_ATTENTION_AVX2_TARGET inline __m256i widen_bytes_avx2(__m256i v, int q) {
+  const __m128i h = q < 2 ? _mm256_castsi256_si128(v) : _mm256_extracti128_si256(v, 1);
+  return _mm256_cvtepu8_epi32(q % 2 == 0 ? h : _mm_srli_si128(h, 8));
+}
+
+/// Lane of token t (0..31) of a block in a key tile of decode_key_tile_avx2.
+constexpr int key_lane_avx2(int t) { return 4 * (t % 8) + t / 8; }
+
+/// Codes of one 32-token block of P planes as floats, tile[c][32], token t in lane
+/// key_lane_avx2(t). Eight channels at a time: their codes as bytes
+/// (plane_code_lanes_avx2: byte g of lane l of r[i] is token 8g + i of channel l),
+/// transposed to a channel per vector (byte 4i + g: token 8g + i), widened. More
+/// than 8 planes: planes 0..7 give the high byte, 8..P-1 the low, code = high <<
+/// (P - 8) | low.
 template <int P>
 LYNX_ATTENTION_AVX2_TARGET inline void decode_key_tile_avx2(const std::uint32_t* const* rows, int D,
                                                             float* tile) {
   constexpr int PH = P < 8 ? P : 8, PL = P - PH;
-  for (int c = 0; c < D; ++c) {
-    const __m256i high = plane_code_bytes_avx2<PH>(rows, c);
-    const __m128i h[4] = {
-        _mm256_castsi256_si128(high), _mm_srli_si128(_mm256_castsi256_si128(high), 8),
-        _mm256_extracti128_si256(high, 1), _mm_srli_si128(_mm256_extracti128_si256(high, 1), 8)};
-    float* out = tile + c * attention_block_tokens;
-    if constexpr (PL == 0) {
-      for (int i = 0; i < 4; ++i)
-        _mm256_store_ps(out + 8 * i, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(h[i])));
-    } else {
-      const __m256i low = plane_code_bytes_avx2<PL>(rows + PH, c);
-      const __m128i l[4] = {
-          _mm256_castsi256_si128(low), _mm_srli_si128(_mm256_castsi256_si128(low), 8),
-          _mm256_extracti128_si256(low, 1), _mm_srli_si128(_mm256_extracti128_si256(low, 1), 8)};
-      for (int i = 0; i < 4; ++i)
-        _mm256_store_ps(out + 8 * i, _mm256_cvtepi32_ps(_mm256_or_si256(
-                                         _mm256_slli_epi32(_mm256_cvtepu8_epi32(h[i]), PL),
-                                         _mm256_cvtepu8_epi32(l[i]))));
+  for (int c0 = 0; c0 < D; c0 += 8) {
+    const std::uint32_t* const* src = rows;
+    int c = c0;
+    std::uint32_t pad[P][8];  // a last chunk of fewer than 8 channels, zero padded
+    const std::uint32_t* padded[P];
+    if (c0 + 8 > D) {
+      for (int j = 0; j < P; ++j) {
+        for (int k = 0; k < 8; ++k) pad[j][k] = c0 + k < D ? rows[j][c0 + k] : 0u;
+        padded[j] = pad[j];
+      }
+      src = padded;
+      c = 0;
+    }
+    __m256i r[8], x[8], y[8];
+    plane_code_lanes_avx2<PH>(src, c, r);
+    transpose_8x8_epi32_avx2(r, x);
+    if constexpr (PL > 0) {
+      plane_code_lanes_avx2<PL>(src + PH, c, r);
+      transpose_8x8_epi32_avx2(r, y);
+    }
+    for (int l = 0; l < std::min(8, D - c0); ++l) {
+      float* out = tile + (c0 + l) * attention_block_tokens;
+      for (int q = 0; q < 4; ++q) {
+        __m256i code = widen_bytes_avx2(x[l], q);
+        if constexpr (PL > 0)
+          code = _mm256_or_si256(_mm256_slli_epi32(code, PL), widen_bytes_avx2(y[l], q));
+        _mm256_store_ps(out + 8 * q, _mm256_cvtepi32_ps(code));
+      }
     }
   }
 }
 
 /// Scores of tokens [la, lb) of a block for HC (1..4) heads (score_block_portable's
-/// operations): bias[h] + sum_c qs[h][c] * tile[c][t], the sum from 0 in channel
-/// order, 16 tokens per pass. out: [HC][S] at the block's first token.
+/// operations): bias[h] + sum_c qs[h][c] * tile[c][key_lane_avx2(t)], the sum from
+/// 0 in channel order, 16 lanes per pass. out: [HC][S] at the block's first token.
 template <int HC>
 LYNX_ATTENTION_AVX2_TARGET inline void score_tile_avx2(const float* tile, int D, const float* qs,
                                                        const float* bias, float* out, int la,
                                                        int lb) {
   static_assert(HC >= 1 && HC <= 4);
+  alignas(32) float r[HC][attention_block_tokens];
   for (int t0 = 0; t0 < attention_block_tokens; t0 += 16) {
-    if (t0 >= lb || t0 + 16 <= la) continue;
     // named sums, not an array: GCC 12 kept an array of them in memory as well
     __m256 a0 = _mm256_setzero_ps(), b0 = a0, a1 = a0, b1 = a0, a2 = a0, b2 = a0, a3 = a0, b3 = a0;
     const float* k = tile + t0;
@@ -2756,15 +2804,15 @@ LYNX_ATTENTION_AVX2_TARGET inline void score_tile_avx2(const float* tile, int D,
       }
     }
     const __m256 lo[4] = {a0, a1, a2, a3}, hi[4] = {b0, b1, b2, b3};
-    const int ta = std::max(la, t0), tz = std::min(lb, t0 + 16);
     for (int h = 0; h < HC; ++h) {
       const __m256 bv = _mm256_set1_ps(bias[h]);
-      alignas(32) float r[16];
-      _mm256_store_ps(r, _mm256_add_ps(lo[h], bv));
-      _mm256_store_ps(r + 8, _mm256_add_ps(hi[h], bv));
-      float* o = out + h * attention_split_tokens;
-      for (int t = ta; t < tz; ++t) o[t] = r[t - t0];
+      _mm256_store_ps(r[h] + t0, _mm256_add_ps(lo[h], bv));
+      _mm256_store_ps(r[h] + t0 + 8, _mm256_add_ps(hi[h], bv));
     }
+  }
+  for (int h = 0; h < HC; ++h) {
+    float* o = out + h * attention_split_tokens;
+    for (int t = la; t < lb; ++t) o[t] = r[h][key_lane_avx2(t)];
   }
 }
 
@@ -2799,6 +2847,189 @@ LYNX_ATTENTION_AVX2_TARGET void score_tokens_avx2(const plane_kv_source<Plan, G>
       a = e;
     }
   }
+}
+
+/// Whether the AVX2 bit-plane value kernels (value_weights_avx2,
+/// accumulate_values_avx2) take this source: head_dim a multiple of 8, each
+/// 8-channel chunk within one value group, and 1, 2, 4 or 8 value groups per token
+/// (a token's groups side by side in the weights fill whole 8-lane steps).
+template <stream_plan_type Plan, int G>
+bool avx2_value_planes(const plane_kv_source<Plan, G>& src) {
+  const layer_geometry& g = src.view.geometry;
+  const std::int64_t groups = g.value_channel_groups();
+  return g.head_dim % 8 == 0 && (g.value_group % 8 == 0 || groups == 1) &&
+         (groups == 1 || groups == 2 || groups == 4 || groups == 8);
+}
+
+/// value_weights_portable's numbers for the AVX2 bit-plane values, laid out
+/// [h][t - t0][grp] (a token's groups side by side, so that the scales and zeros
+/// are read as stored): weight = p * (scale * unit), and offsets[h][grp] from lane
+/// (t - t0) mod 16 of each group, value_offset_step in token order, then
+/// reduce_lanes. Eight (token, group) elements per step; the scale terms are
+/// computed once for all heads.
+template <stream_plan_type Plan, int G>
+LYNX_ATTENTION_AVX2_TARGET void value_weights_avx2(const plane_kv_source<Plan, G>& src,
+                                                   std::int64_t kv_head, int heads, std::int64_t t0,
+                                                   std::int64_t t1, const split_scratch& w) {
+  const layer_geometry& g = src.view.geometry;
+  const int groups = static_cast<int>(g.value_channel_groups());
+  const float unit = src.level_unit(), half = src.half();
+  const float* vs = src.view.value_scale() + (kv_head * g.tokens + t0) * groups;
+  const float* vz = src.view.value_zero() + (kv_head * g.tokens + t0) * groups;
+  constexpr std::int64_t S = attention_split_tokens;
+  const std::int64_t n = (t1 - t0) * groups;         // elements (token, group)
+  const int L = attention_reduction_lanes * groups;  // lanes of all groups: [lane][grp]
+  alignas(32) float lanes[4][attention_reduction_lanes * 8];
+  // element e of a step of 8 takes the p of token e / groups of the step
+  const __m256i pick = groups == 1   ? _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)
+                       : groups == 2 ? _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3)
+                                     : _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+  auto token_p =
+      [&](const float* p)
+          LYNX_ATTENTION_AVX2_TARGET {  // p of the step's tokens, spread to their elements
+            if (groups == 1) return _mm256_loadu_ps(p);
+            if (groups == 2)
+              return _mm256_permutevar8x32_ps(_mm256_broadcast_ps((const __m128*)p), pick);
+            if (groups == 4)
+              return _mm256_permutevar8x32_ps(
+                  _mm256_castpd_ps(_mm256_broadcast_sd(reinterpret_cast<const double*>(p))), pick);
+            return _mm256_broadcast_ss(p);
+          };
+  const __m256 vu = _mm256_set1_ps(unit), vh = _mm256_set1_ps(half);
+  for (int h0 = 0; h0 < heads; h0 += 4) {
+    const int hn = std::min(4, heads - h0);
+    for (int b = 0; b < hn; ++b) std::fill(lanes[b], lanes[b] + L, 0.0f);
+    std::int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+      const __m256 s = _mm256_loadu_ps(vs + i);
+      const __m256 su = _mm256_mul_ps(s, vu);
+      const __m256 shift = _mm256_fmadd_ps(s, vh, _mm256_loadu_ps(vz + i));
+      for (int b = 0; b < hn; ++b) {
+        const __m256 p = token_p(w.scores + (h0 + b) * S + i / groups);
+        _mm256_storeu_ps(w.weights + (h0 + b) * S * groups + i, _mm256_mul_ps(p, su));
+        float* lane = lanes[b] + i % L;
+        _mm256_store_ps(lane, _mm256_fmadd_ps(p, shift, _mm256_load_ps(lane)));
+      }
+    }
+    for (; i < n; ++i)  // a last step of fewer than 8 elements
+      for (int b = 0; b < hn; ++b) {
+        const float p = w.scores[(h0 + b) * S + i / groups];
+        const value_token_weight vw = fold_value_token(p, vs[i], vz[i], unit, half);
+        w.weights[(h0 + b) * S * groups + i] = vw.weight;
+        float& sum = lanes[b][i % L];
+        sum = value_offset_step(sum, p, vw.shift);
+      }
+    for (int b = 0; b < hn; ++b)
+      for (int grp = 0; grp < groups; ++grp) {
+        float lane[attention_reduction_lanes];
+        for (int l = 0; l < attention_reduction_lanes; ++l) lane[l] = lanes[b][l * groups + grp];
+        w.offsets[(h0 + b) * groups + grp] = reduce_lanes(lane);
+      }
+  }
+}
+
+/// Token t's codes (8 channels, a lane each) from plane_code_lanes_avx2's bytes:
+/// r's, or with Two (more than 8 planes) r's << pl | s's (planes 8..8 + pl - 1).
+template <bool Two>
+LYNX_ATTENTION_AVX2_TARGET inline __m256 value_code_avx2(const __m256i* r, const __m256i* s,
+                                                         __m128i pl, int t) {
+  const __m256i byte = _mm256_set1_epi32(0xff);
+  const __m128i shift = _mm_cvtsi32_si128(8 * (t / 8));
+  const __m256i high = _mm256_and_si256(_mm256_srl_epi32(r[t % 8], shift), byte);
+  if constexpr (!Two) {
+    return _mm256_cvtepi32_ps(high);
+  } else {
+    const __m256i low = _mm256_and_si256(_mm256_srl_epi32(s[t % 8], shift), byte);
+    return _mm256_cvtepi32_ps(_mm256_or_si256(_mm256_sll_epi32(high, pl), low));
+  }
+}
+
+/// The value sums of HC (1..4) heads at channels [c0, c0 + 8) over tokens [la, lb)
+/// of one block (accumulate_values_portable's operations) from its codes
+/// (plane_code_lanes_avx2: r, and s with Two): one fused multiply-add per token in
+/// order into the sum of its parity (acc even, odd odd; a block starts at an even
+/// token). wt: the weight of head 0, token 0 of the block in c0's group; head h,
+/// token t at wt[h * hs + t * groups]; acc and odd: head h at h * D. Full: [la, lb) is the whole
+/// block, its 32 tokens unrolled. Not inlined: one copy for every plane count.
+template <int HC, bool Two, bool Full>
+LYNX_ATTENTION_AVX2_TARGET __attribute__((noinline)) void add_value_codes_avx2(
+    const __m256i* r, const __m256i* s, int pl, const float* wt, std::int64_t hs, int groups,
+    float* acc, float* odd, int D, int la, int lb) {
+  const __m128i pls = _mm_cvtsi32_si128(pl);
+  __m256 e[HC], o[HC];
+  for (int h = 0; h < HC; ++h) {
+    e[h] = _mm256_loadu_ps(acc + h * D);
+    o[h] = _mm256_loadu_ps(odd + h * D);
+  }
+  auto add = [&](int t) LYNX_ATTENTION_AVX2_TARGET {
+    const __m256 k = value_code_avx2<Two>(r, s, pls, t);
+    for (int h = 0; h < HC; ++h) {
+      const __m256 wv = _mm256_broadcast_ss(wt + h * hs + t * groups);
+      if (t % 2 == 0)
+        e[h] = _mm256_fmadd_ps(wv, k, e[h]);
+      else
+        o[h] = _mm256_fmadd_ps(wv, k, o[h]);
+    }
+  };
+  if constexpr (Full) {
+    [&]<int... T>(std::integer_sequence<int, T...>) LYNX_ATTENTION_AVX2_TARGET { (add(T), ...); }
+    (std::make_integer_sequence<int, attention_block_tokens>{});
+  } else {
+    for (int t = la; t < lb; ++t) add(t);
+  }
+  for (int h = 0; h < HC; ++h) {
+    _mm256_storeu_ps(acc + h * D, e[h]);
+    _mm256_storeu_ps(odd + h * D, o[h]);
+  }
+}
+
+/// accumulate_values_portable of a bit-plane prompt (the same sums in the same
+/// order) with the weights of value_weights_avx2; avx2_value_planes(src).
+template <stream_plan_type Plan, int G>
+LYNX_ATTENTION_AVX2_TARGET void accumulate_values_avx2(const plane_kv_source<Plan, G>& src,
+                                                       std::int64_t kv_head, int heads,
+                                                       std::int64_t t0, std::int64_t t1, float* acc,
+                                                       const split_scratch& w) {
+  const layer_geometry& g = src.view.geometry;
+  const int D = static_cast<int>(g.head_dim);
+  const int groups = static_cast<int>(g.value_channel_groups());
+  const std::int64_t VG = g.value_group, hs = attention_split_tokens * groups;
+  float* odd = w.odd;
+  std::fill(acc, acc + heads * D, 0.0f);
+  std::fill(odd, odd + heads * D, 0.0f);
+  const std::uint32_t* rows[16];
+  for (std::int64_t b = t0 / attention_block_tokens; b * attention_block_tokens < t1; ++b) {
+    const std::int64_t tb = b * attention_block_tokens;
+    src.prefetch_block(false, kv_head, b + prefetch_blocks);
+    src.block_rows(false, kv_head, b, rows);
+    const int la = static_cast<int>(std::max(tb, t0) - tb);
+    const int lb = static_cast<int>(std::min(tb + attention_block_tokens, t1) - tb);
+    // the weights of the block's token 0 (before t0 when the split starts mid-block:
+    // only tokens from la on are read)
+    const float* wt = w.weights + (tb - t0) * groups;
+    const bool full = la == 0 && lb == attention_block_tokens;
+    for (int c0 = 0; c0 < D; c0 += 8) {
+      __m256i r[8], s[8];  // the chunk's codes: planes 0..7 (r), 8.. (s)
+      with_plane_count<Plan::bits>(src.planes, [&](auto p) {
+        plane_code_lanes_avx2<(p() < 8 ? p() : 8)>(rows, c0, r);
+        if constexpr (p() > 8) plane_code_lanes_avx2<p() - 8>(rows + 8, c0, s);
+      });
+      const int pl = std::max(src.planes - 8, 0);
+      for (int h = 0; h < heads; h += 4)
+        dispatch<1, 2, 3, 4>(std::min(4, heads - h), [&]<int HC>() {
+          auto run = [&]<bool Two, bool Full>() {
+            add_value_codes_avx2<HC, Two, Full>(r, s, pl, wt + h * hs + c0 / VG, hs, groups,
+                                                acc + h * D + c0, odd + h * D + c0, D, la, lb);
+          };
+          if (pl > 0)
+            full ? run.template operator()<true, true>() : run.template operator()<true, false>();
+          else
+            full ? run.template operator()<false, true>() : run.template operator()<false, false>();
+        });
+    }
+  }
+  for (std::int64_t i = 0; i < heads * D; ++i) acc[i] += odd[i];
+  add_value_offsets(w.offsets, heads, D, groups, VG, acc);
 }
 #endif  // LYNX_ATTENTION_AVX512
 
@@ -2955,13 +3186,19 @@ LYNX_ATTENTION_FMA_CLONE void compute_split_avx2(const Source& src, std::int64_t
   for (int h = 0; h < heads; ++h)
     softmax_split(w.scores + h * attention_split_tokens, t1 - t0, t0, first_visible, variant,
                   host_walk::avx2, m[h], l[h]);
-  if constexpr (requires { src.view; }) value_weights_portable(src, kv_head, heads, t0, t1, w);
   if constexpr (requires { src.keys; }) {
     if (dense) {
       accumulate_values_avx2(src, kv_head, heads, t0, t1, acc, w);
       return;
     }
+  } else if constexpr (requires { src.prefetch_block(true, 0, 0); }) {
+    if (avx2_value_planes(src)) {
+      value_weights_avx2(src, kv_head, heads, t0, t1, w);
+      accumulate_values_avx2(src, kv_head, heads, t0, t1, acc, w);
+      return;
+    }
   }
+  if constexpr (requires { src.view; }) value_weights_portable(src, kv_head, heads, t0, t1, w);
   accumulate_values_portable(src, kv_head, heads, t0, t1, acc, w);
 }
 #endif

@@ -2783,7 +2783,10 @@ LYNX_ATTENTION_AVX2_TARGET inline void score_tile_avx2(const float* tile, int D,
     __m256 a0 = _mm256_setzero_ps(), b0 = a0, a1 = a0, b1 = a0, a2 = a0, b2 = a0, a3 = a0, b3 = a0;
     const float* k = tile + t0;
     for (int c = 0; c < D; ++c, k += attention_block_tokens) {
-      const __m256 k0 = _mm256_load_ps(k), k1 = _mm256_load_ps(k + 8);
+      __m256 k0 = _mm256_load_ps(k), k1 = _mm256_load_ps(k + 8);
+      // in registers: GCC would fold both loads into each head's multiply-adds (8
+      // loads per channel and 4 broadcasts, more than the load ports take per 8 FMAs)
+      asm("" : "+x"(k0), "+x"(k1));
       const __m256 q0 = _mm256_broadcast_ss(qs + c);
       a0 = _mm256_fmadd_ps(q0, k0, a0);
       b0 = _mm256_fmadd_ps(q0, k1, b0);
@@ -2822,14 +2825,22 @@ template <stream_plan_type Plan, int G>
 LYNX_ATTENTION_AVX2_TARGET void score_tokens_avx2(const plane_kv_source<Plan, G>& src,
                                                   std::int64_t kv_head, const float* q, int heads,
                                                   std::int64_t t0, std::int64_t t1,
-                                                  const split_scratch& w) {
+                                                  const split_scratch& w,
+                                                  const next_split& next = {}) {
   const layer_geometry& g = src.view.geometry;
   const int D = static_cast<int>(g.head_dim);
   const std::int64_t KG = g.key_group;
   std::int64_t folded_group = -1;
   const std::uint32_t* rows[16];
-  for (std::int64_t b = t0 / attention_block_tokens; b * attention_block_tokens < t1; ++b) {
+  const std::int64_t b0 = t0 / attention_block_tokens;
+  const int nb = static_cast<int>((t1 + attention_block_tokens - 1) / attention_block_tokens - b0);
+  for (std::int64_t b = b0; b * attention_block_tokens < t1; ++b) {
     const std::int64_t tb = b * attention_block_tokens;
+    // L2 gets this split's values and the next split's keys a slice per block, as
+    // on the AVX-512 path; L1 the keys a few blocks ahead
+    src.prefetch_split_slice(false, kv_head, t0, t1, static_cast<int>(b - b0), nb);
+    if (next.t1 > next.t0)
+      src.prefetch_split_slice(true, next.kv_head, next.t0, next.t1, static_cast<int>(b - b0), nb);
     src.prefetch_block(true, kv_head, b + prefetch_blocks);
     src.block_rows(true, kv_head, b, rows);
     with_plane_count<Plan::bits>(src.planes,
@@ -3170,7 +3181,8 @@ LYNX_ATTENTION_FMA_CLONE void compute_split_avx2(const Source& src, std::int64_t
                                                  const float* q, int heads, std::int64_t t0,
                                                  std::int64_t t1, std::int64_t first_visible,
                                                  const Variant& variant, const split_scratch& w,
-                                                 float* m, float* l, float* acc) {
+                                                 float* m, float* l, float* acc,
+                                                 const next_split& next) {
   bool dense = false;  // a dense source the AVX2 kernels take
   if constexpr (requires { src.keys; }) {
     dense = avx2_supports(src);
@@ -3179,7 +3191,7 @@ LYNX_ATTENTION_FMA_CLONE void compute_split_avx2(const Source& src, std::int64_t
     else
       score_tokens_portable(src, kv_head, q, heads, t0, t1, w);
   } else if constexpr (requires { src.prefetch_block(true, 0, 0); }) {  // bit planes
-    score_tokens_avx2(src, kv_head, q, heads, t0, t1, w);
+    score_tokens_avx2(src, kv_head, q, heads, t0, t1, w, next);
   } else {  // merged codes
     score_tokens_portable(src, kv_head, q, heads, t0, t1, w);
   }
@@ -3231,7 +3243,7 @@ void compute_split(const Source& src, std::int64_t kv_head, const float* q, int 
     return;
   }
   if (walk == host_walk::avx2) {
-    compute_split_avx2(src, kv_head, q, heads, t0, t1, first_visible, variant, w, m, l, acc);
+    compute_split_avx2(src, kv_head, q, heads, t0, t1, first_visible, variant, w, m, l, acc, next);
     return;
   }
   if (walk == host_walk::fma) {

@@ -2718,21 +2718,18 @@ LYNX_ATTENTION_AVX2_TARGET inline void transpose_8x8_epi32_avx2(const __m256i* r
   }
 }
 
-/// Bytes 8q..8q+7 of v as eight 32-bit lanes.
-LYNX_ATTENTION_AVX2_TARGET inline __m256i widen_bytes_avx2(__m256i v, int q) {
-  const __m128i h = q < 2 ? _mm256_castsi256_si128(v) : _mm256_extracti128_si256(v, 1);
-  return _mm256_cvtepu8_epi32(q % 2 == 0 ? h : _mm_srli_si128(h, 8));
+/// Byte q of each 32-bit lane of v.
+LYNX_ATTENTION_AVX2_TARGET inline __m256i lane_byte_avx2(__m256i v, int q) {
+  return _mm256_and_si256(_mm256_srli_epi32(v, 8 * q), _mm256_set1_epi32(0xff));
 }
 
-/// Lane of token t (0..31) of a block in a key tile of decode_key_tile_avx2.
-constexpr int key_lane_avx2(int t) { return 4 * (t % 8) + t / 8; }
-
-/// Codes of one 32-token block of P planes as floats, tile[c][32], token t in lane
-/// key_lane_avx2(t). Eight channels at a time: their codes as bytes
-/// (plane_code_lanes_avx2: byte g of lane l of r[i] is token 8g + i of channel l),
-/// transposed to a channel per vector (byte 4i + g: token 8g + i), widened. More
-/// than 8 planes: planes 0..7 give the high byte, 8..P-1 the low, code = high <<
-/// (P - 8) | low.
+/// Codes of one 32-token block of P planes as floats, tile[c][32] with lane = token
+/// (the codes decode_key_tile_portable gives, in token order). Eight channels at a
+/// time: their codes as bytes (plane_code_lanes_avx2: byte g of lane l of r[i] is
+/// token 8g + i of channel l), transposed to a channel per vector (lane i, byte g:
+/// token 8g + i), then byte g of every lane is tokens 8g..8g + 7, shifts and
+/// masks rather than shuffles. More than 8 planes: planes 0..7 give the high byte,
+/// 8..P-1 the low, code = high << (P - 8) | low.
 template <int P>
 LYNX_ATTENTION_AVX2_TARGET inline void decode_key_tile_avx2(const std::uint32_t* const* rows, int D,
                                                             float* tile) {
@@ -2760,9 +2757,9 @@ LYNX_ATTENTION_AVX2_TARGET inline void decode_key_tile_avx2(const std::uint32_t*
     for (int l = 0; l < std::min(8, D - c0); ++l) {
       float* out = tile + (c0 + l) * attention_block_tokens;
       for (int q = 0; q < 4; ++q) {
-        __m256i code = widen_bytes_avx2(x[l], q);
+        __m256i code = lane_byte_avx2(x[l], q);
         if constexpr (PL > 0)
-          code = _mm256_or_si256(_mm256_slli_epi32(code, PL), widen_bytes_avx2(y[l], q));
+          code = _mm256_or_si256(_mm256_slli_epi32(code, PL), lane_byte_avx2(y[l], q));
         _mm256_store_ps(out + 8 * q, _mm256_cvtepi32_ps(code));
       }
     }
@@ -2770,15 +2767,15 @@ LYNX_ATTENTION_AVX2_TARGET inline void decode_key_tile_avx2(const std::uint32_t*
 }
 
 /// Scores of tokens [la, lb) of a block for HC (1..4) heads (score_block_portable's
-/// operations): bias[h] + sum_c qs[h][c] * tile[c][key_lane_avx2(t)], the sum from
-/// 0 in channel order, 16 lanes per pass. out: [HC][S] at the block's first token.
+/// operations): bias[h] + sum_c qs[h][c] * tile[c][t], the sum from 0 in channel
+/// order, 16 tokens per pass. out: [HC][S] at the block's first token.
 template <int HC>
 LYNX_ATTENTION_AVX2_TARGET inline void score_tile_avx2(const float* tile, int D, const float* qs,
                                                        const float* bias, float* out, int la,
                                                        int lb) {
   static_assert(HC >= 1 && HC <= 4);
-  alignas(32) float r[HC][attention_block_tokens];
   for (int t0 = 0; t0 < attention_block_tokens; t0 += 16) {
+    if (t0 >= lb || t0 + 16 <= la) continue;
     // named sums, not an array: GCC 12 kept an array of them in memory as well
     __m256 a0 = _mm256_setzero_ps(), b0 = a0, a1 = a0, b1 = a0, a2 = a0, b2 = a0, a3 = a0, b3 = a0;
     const float* k = tile + t0;
@@ -2807,15 +2804,15 @@ LYNX_ATTENTION_AVX2_TARGET inline void score_tile_avx2(const float* tile, int D,
       }
     }
     const __m256 lo[4] = {a0, a1, a2, a3}, hi[4] = {b0, b1, b2, b3};
+    const int ta = std::max(la, t0), tz = std::min(lb, t0 + 16);
     for (int h = 0; h < HC; ++h) {
       const __m256 bv = _mm256_set1_ps(bias[h]);
-      _mm256_store_ps(r[h] + t0, _mm256_add_ps(lo[h], bv));
-      _mm256_store_ps(r[h] + t0 + 8, _mm256_add_ps(hi[h], bv));
+      alignas(32) float r[16];
+      _mm256_store_ps(r, _mm256_add_ps(lo[h], bv));
+      _mm256_store_ps(r + 8, _mm256_add_ps(hi[h], bv));
+      float* o = out + h * attention_split_tokens;
+      for (int t = ta; t < tz; ++t) o[t] = r[t - t0];
     }
-  }
-  for (int h = 0; h < HC; ++h) {
-    float* o = out + h * attention_split_tokens;
-    for (int t = la; t < lb; ++t) o[t] = r[h][key_lane_avx2(t)];
   }
 }
 
@@ -3019,12 +3016,20 @@ LYNX_ATTENTION_AVX2_TARGET void accumulate_values_avx2(const plane_kv_source<Pla
     // only tokens from la on are read)
     const float* wt = w.weights + (tb - t0) * groups;
     const bool full = la == 0 && lb == attention_block_tokens;
-    for (int c0 = 0; c0 < D; c0 += 8) {
-      __m256i r[8], s[8];  // the chunk's codes: planes 0..7 (r), 8.. (s)
+    // a chunk's codes: [0, 8) planes 0..7, [8, 16) planes 8..; two chunks' worth,
+    // the next chunk decoded before this one's multiply-adds are issued, so that its
+    // loads and transposes overlap them (a chunk's FMAs outnumber the reorder window)
+    __m256i codes[2][16];
+    auto decode = [&](int c0, __m256i* r) {
       with_plane_count<Plan::bits>(src.planes, [&](auto p) {
         plane_code_lanes_avx2<(p() < 8 ? p() : 8)>(rows, c0, r);
-        if constexpr (p() > 8) plane_code_lanes_avx2<p() - 8>(rows + 8, c0, s);
+        if constexpr (p() > 8) plane_code_lanes_avx2<p() - 8>(rows + 8, c0, r + 8);
       });
+    };
+    decode(0, codes[0]);
+    for (int c0 = 0, k = 0; c0 < D; c0 += 8, k ^= 1) {
+      if (c0 + 8 < D) decode(c0 + 8, codes[k ^ 1]);
+      const __m256i *r = codes[k], *s = codes[k] + 8;
       const int pl = std::max(src.planes - 8, 0);
       for (int h = 0; h < heads; h += 4)
         dispatch<1, 2, 3, 4>(std::min(4, heads - h), [&]<int HC>() {

@@ -2723,16 +2723,16 @@ LYNX_ATTENTION_AVX2_TARGET inline __m256i lane_byte_avx2(__m256i v, int q) {
   return _mm256_and_si256(_mm256_srli_epi32(v, 8 * q), _mm256_set1_epi32(0xff));
 }
 
-/// Codes of one 32-token block of P planes as floats, tile[c][32] with lane = token
-/// (the codes decode_key_tile_portable gives, in token order). Eight channels at a
-/// time: their codes as bytes (plane_code_lanes_avx2: byte g of lane l of r[i] is
-/// token 8g + i of channel l), transposed to a channel per vector (lane i, byte g:
-/// token 8g + i), then byte g of every lane is tokens 8g..8g + 7, shifts and
-/// masks rather than shuffles. More than 8 planes: planes 0..7 give the high byte,
-/// 8..P-1 the low, code = high << (P - 8) | low.
+/// Codes of one 32-token block of P planes, tile[c] a vector per channel: lane i,
+/// byte g is token 8g + i's code (lane_byte_avx2(tile[c], g) is tokens 8g..8g + 7
+/// in order). Eight channels at a time: their codes as bytes (plane_code_lanes_avx2:
+/// byte g of lane l of r[i] is token 8g + i of channel l), transposed to a channel
+/// per vector. More than 8 planes: tile[c] holds planes 0..7 (the code's high
+/// bits), tile[D + c] planes 8..P-1. Four times smaller than a float tile, which
+/// evicted the plane words asked into L1 ahead of use.
 template <int P>
 LYNX_ATTENTION_AVX2_TARGET inline void decode_key_tile_avx2(const std::uint32_t* const* rows, int D,
-                                                            float* tile) {
+                                                            __m256i* tile) {
   constexpr int PH = P < 8 ? P : 8, PL = P - PH;
   for (int c0 = 0; c0 < D; c0 += 8) {
     const std::uint32_t* const* src = rows;
@@ -2747,43 +2747,43 @@ LYNX_ATTENTION_AVX2_TARGET inline void decode_key_tile_avx2(const std::uint32_t*
       src = padded;
       c = 0;
     }
-    __m256i r[8], x[8], y[8];
+    __m256i r[8], x[8];
     plane_code_lanes_avx2<PH>(src, c, r);
     transpose_8x8_epi32_avx2(r, x);
+    for (int l = 0; l < std::min(8, D - c0); ++l) _mm256_store_si256(tile + c0 + l, x[l]);
     if constexpr (PL > 0) {
       plane_code_lanes_avx2<PL>(src + PH, c, r);
-      transpose_8x8_epi32_avx2(r, y);
-    }
-    for (int l = 0; l < std::min(8, D - c0); ++l) {
-      float* out = tile + (c0 + l) * attention_block_tokens;
-      for (int q = 0; q < 4; ++q) {
-        __m256i code = lane_byte_avx2(x[l], q);
-        if constexpr (PL > 0)
-          code = _mm256_or_si256(_mm256_slli_epi32(code, PL), lane_byte_avx2(y[l], q));
-        _mm256_store_ps(out + 8 * q, _mm256_cvtepi32_ps(code));
-      }
+      transpose_8x8_epi32_avx2(r, x);
+      for (int l = 0; l < std::min(8, D - c0); ++l) _mm256_store_si256(tile + D + c0 + l, x[l]);
     }
   }
 }
 
 /// Scores of tokens [la, lb) of a block for HC (1..4) heads (score_block_portable's
-/// operations): bias[h] + sum_c qs[h][c] * tile[c][t], the sum from 0 in channel
-/// order, 16 tokens per pass. out: [HC][S] at the block's first token.
-template <int HC>
-LYNX_ATTENTION_AVX2_TARGET inline void score_tile_avx2(const float* tile, int D, const float* qs,
-                                                       const float* bias, float* out, int la,
-                                                       int lb) {
+/// operations): bias[h] + sum_c qs[h][c] * code(c, t), the sum from 0 in channel
+/// order, 16 tokens per pass, the codes of decode_key_tile_avx2's tile turned into
+/// floats as they are used (Two: high << pl | low). out: [HC][S] at the block's
+/// first token.
+template <int HC, bool Two>
+LYNX_ATTENTION_AVX2_TARGET inline void score_tile_avx2(const __m256i* tile, int D, int pl,
+                                                       const float* qs, const float* bias,
+                                                       float* out, int la, int lb) {
   static_assert(HC >= 1 && HC <= 4);
-  for (int t0 = 0; t0 < attention_block_tokens; t0 += 16) {
-    if (t0 >= lb || t0 + 16 <= la) continue;
+  const __m128i pls = _mm_cvtsi32_si128(pl);
+  auto pass = [&]<int T0>() LYNX_ATTENTION_AVX2_TARGET {
+    if (T0 >= lb || T0 + 16 <= la) return;
+    auto code = [&](int c, int g) LYNX_ATTENTION_AVX2_TARGET {  // tokens 8g..8g + 7
+      const __m256i high = lane_byte_avx2(_mm256_load_si256(tile + c), g);
+      if constexpr (!Two)
+        return _mm256_cvtepi32_ps(high);
+      else
+        return _mm256_cvtepi32_ps(_mm256_or_si256(
+            _mm256_sll_epi32(high, pls), lane_byte_avx2(_mm256_load_si256(tile + D + c), g)));
+    };
     // named sums, not an array: GCC 12 kept an array of them in memory as well
     __m256 a0 = _mm256_setzero_ps(), b0 = a0, a1 = a0, b1 = a0, a2 = a0, b2 = a0, a3 = a0, b3 = a0;
-    const float* k = tile + t0;
-    for (int c = 0; c < D; ++c, k += attention_block_tokens) {
-      __m256 k0 = _mm256_load_ps(k), k1 = _mm256_load_ps(k + 8);
-      // in registers: GCC would fold both loads into each head's multiply-adds (8
-      // loads per channel and 4 broadcasts, more than the load ports take per 8 FMAs)
-      asm("" : "+x"(k0), "+x"(k1));
+    for (int c = 0; c < D; ++c) {
+      const __m256 k0 = code(c, T0 / 8), k1 = code(c, T0 / 8 + 1);
       const __m256 q0 = _mm256_broadcast_ss(qs + c);
       a0 = _mm256_fmadd_ps(q0, k0, a0);
       b0 = _mm256_fmadd_ps(q0, k1, b0);
@@ -2804,15 +2804,55 @@ LYNX_ATTENTION_AVX2_TARGET inline void score_tile_avx2(const float* tile, int D,
       }
     }
     const __m256 lo[4] = {a0, a1, a2, a3}, hi[4] = {b0, b1, b2, b3};
-    const int ta = std::max(la, t0), tz = std::min(lb, t0 + 16);
+    const int ta = std::max(la, T0), tz = std::min(lb, T0 + 16);
     for (int h = 0; h < HC; ++h) {
       const __m256 bv = _mm256_set1_ps(bias[h]);
       alignas(32) float r[16];
       _mm256_store_ps(r, _mm256_add_ps(lo[h], bv));
       _mm256_store_ps(r + 8, _mm256_add_ps(hi[h], bv));
       float* o = out + h * attention_split_tokens;
-      for (int t = ta; t < tz; ++t) o[t] = r[t - t0];
+      for (int t = ta; t < tz; ++t) o[t] = r[t - T0];
     }
+  };
+  pass.template operator()<0>();
+  pass.template operator()<16>();
+}
+
+/// fold_queries_portable on AVX2 for head_dim a multiple of 16 (else the portable
+/// one): fold_query_into_key_group's operations lane by lane (lane = channel mod
+/// 16 as two 8-lane halves), the scale terms once for all heads, the bias sums of
+/// four heads folded together (fold4_avx2: the halving tree of reduce_lanes).
+template <class Source>
+LYNX_ATTENTION_AVX2_TARGET void fold_queries_avx2(const Source& src, std::int64_t kv_head,
+                                                  std::int64_t grp, const float* q, int heads,
+                                                  const split_scratch& w) {
+  const layer_geometry& g = src.view.geometry;
+  const int D = static_cast<int>(g.head_dim);
+  if (D % attention_reduction_lanes != 0)
+    return fold_queries_portable(src, kv_head, grp, q, heads, w);
+  const std::int64_t base = (kv_head * g.key_token_groups() + grp) * D;
+  const float* scale = src.view.key_scale() + base;
+  const float* zero = src.view.key_zero() + base;
+  const __m256 unit = _mm256_set1_ps(src.level_unit()), half = _mm256_set1_ps(src.half());
+  for (int h0 = 0; h0 < heads; h0 += 4) {
+    const int hn = std::min(4, heads - h0);
+    __m256 sum[2][4];  // lanes 0-7 and 8-15 of each head's bias sum
+    for (int b = 0; b < 4; ++b) sum[0][b] = sum[1][b] = _mm256_setzero_ps();
+    for (int c = 0; c < D; c += 8) {
+      const __m256 sc = _mm256_loadu_ps(scale + c);
+      const __m256 su = _mm256_mul_ps(sc, unit);
+      const __m256 shift = _mm256_fmadd_ps(sc, half, _mm256_loadu_ps(zero + c));
+      const int k = (c / 8) % 2;
+      for (int b = 0; b < hn; ++b) {
+        const __m256 qv = _mm256_loadu_ps(q + (h0 + b) * D + c);
+        _mm256_storeu_ps(w.qs + (h0 + b) * D + c, _mm256_mul_ps(qv, su));
+        sum[k][b] = _mm256_fmadd_ps(qv, shift, sum[k][b]);
+      }
+    }
+    alignas(32) float totals[8];  // heads 0..3 in lanes 0, 4, 1, 5
+    _mm256_store_ps(totals, fold4_avx2(sum[0], sum[1]));
+    constexpr int lane[4] = {0, 4, 1, 5};
+    for (int b = 0; b < hn; ++b) w.bias[h0 + b] = totals[lane[b]];
   }
 }
 
@@ -2829,6 +2869,7 @@ LYNX_ATTENTION_AVX2_TARGET void score_tokens_avx2(const plane_kv_source<Plan, G>
   const std::int64_t KG = g.key_group;
   std::int64_t folded_group = -1;
   const std::uint32_t* rows[16];
+  const int pl = std::max(src.planes - 8, 0);  // planes of the codes' low byte
   const std::int64_t b0 = t0 / attention_block_tokens;
   const int nb = static_cast<int>((t1 + attention_block_tokens - 1) / attention_block_tokens - b0);
   for (std::int64_t b = b0; b * attention_block_tokens < t1; ++b) {
@@ -2840,17 +2881,21 @@ LYNX_ATTENTION_AVX2_TARGET void score_tokens_avx2(const plane_kv_source<Plan, G>
       src.prefetch_split_slice(true, next.kv_head, next.t0, next.t1, static_cast<int>(b - b0), nb);
     src.prefetch_block(true, kv_head, b + prefetch_blocks);
     src.block_rows(true, kv_head, b, rows);
+    __m256i* tile = reinterpret_cast<__m256i*>(w.tile);  // 32-byte aligned (carve_scratch)
     with_plane_count<Plan::bits>(src.planes,
-                                 [&](auto p) { decode_key_tile_avx2<p()>(rows, D, w.tile); });
+                                 [&](auto p) { decode_key_tile_avx2<p()>(rows, D, tile); });
     for (std::int64_t a = std::max(tb, t0); a < std::min(tb + attention_block_tokens, t1);) {
       const std::int64_t e = std::min({(a / KG + 1) * KG, tb + attention_block_tokens, t1});
       if (a / KG != folded_group)
-        fold_queries_portable(src, kv_head, folded_group = a / KG, q, heads, w);
+        fold_queries_avx2(src, kv_head, folded_group = a / KG, q, heads, w);
       for (int h = 0; h < heads; h += 4)
         dispatch<1, 2, 3, 4>(std::min(4, heads - h), [&]<int HC>() {
-          score_tile_avx2<HC>(w.tile, D, w.qs + h * D, w.bias + h,
-                              w.scores + h * attention_split_tokens + (tb - t0),
-                              static_cast<int>(a - tb), static_cast<int>(e - tb));
+          float* out = w.scores + h * attention_split_tokens + (tb - t0);
+          const int la = static_cast<int>(a - tb), lb = static_cast<int>(e - tb);
+          if (pl > 0)
+            score_tile_avx2<HC, true>(tile, D, pl, w.qs + h * D, w.bias + h, out, la, lb);
+          else
+            score_tile_avx2<HC, false>(tile, D, pl, w.qs + h * D, w.bias + h, out, la, lb);
         });
       a = e;
     }

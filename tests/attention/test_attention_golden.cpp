@@ -107,6 +107,8 @@ constexpr golden_entry table[] = {
     {"Llama shape, 8 = 4 + 4 level 2, float tail", 0x0623188606709ec8ull},
     {"head_dim 8, 8 = 4 + 4 level 2", 0xa20df8ab304ad4ccull},
     {"G = 64, 16 = 4 + 12 level 2", 0x81cb591dc5e6ed72ull},
+    {"head_dim 12, GQA 3, 16 = 4 + 12 level 2", 0x999f3a91751201c1ull},
+    {"G = 16, GQA 2, 8 = 2 + 2 + 4 level 2", 0xf42003c80678b2eeull},
     {"window 700, scale 0.2, 8 = 4 + 4 level 2", 0xaf90577e5fb06a10ull},
     {"dense bf16 prompt", 0x42130419e04bb3baull},
     {"dense float prompt", 0x173ee852b7a353dbull},
@@ -218,6 +220,32 @@ TEST_CASE("golden attention: Llama-3-8B head shape (head_dim 128, GQA 8), head_d
     const lynx::kv_shape ts{c.tail, c.kv_heads, c.head_dim};
     check_golden("G = 64, 16 = 4 + 12 level 2", t.view(), c, as<bf16>(keys_of(23, ts)),
                  as<bf16>(values_of(24, ts)), queries_of(25, c.n, c.kv_heads * c.group, 128));
+  }
+}
+
+TEST_CASE("golden attention: head_dim 12 (a partial chunk of 8 channels), G = 16, GQA 2 and 3") {
+  // head_dim 12: the AVX2 key decode pads its last 4 channels, the values run the
+  // portable loop; 3 query heads per kv head; all 16 planes (two code bytes)
+  {
+    const shape_case c{1100, 2, 12, 3, 2, 5};
+    const lynx::kv_shape shape{c.tokens, c.kv_heads, c.head_dim};
+    const auto t =
+        tensor_of<lynx::plan_16_4_12>(keys_of(41, shape), values_of(42, shape), shape, 2);
+    const lynx::kv_shape ts{c.tail, c.kv_heads, c.head_dim};
+    check_golden("head_dim 12, GQA 3, 16 = 4 + 12 level 2", t.view(), c, as<bf16>(keys_of(43, ts)),
+                 as<bf16>(values_of(44, ts)),
+                 queries_of(45, c.n, c.kv_heads * c.group, c.head_dim));
+  }
+  // G = 16: two key groups per 32-token block, four value groups per token
+  {
+    const shape_case c{1100, 2, 64, 2, 2, 5};
+    const lynx::kv_shape shape{c.tokens, c.kv_heads, c.head_dim};
+    const auto t =
+        tensor_of<lynx::plan_8_2_2_4, 16>(keys_of(51, shape), values_of(52, shape), shape, 2);
+    const lynx::kv_shape ts{c.tail, c.kv_heads, c.head_dim};
+    check_golden("G = 16, GQA 2, 8 = 2 + 2 + 4 level 2", t.view(), c, as<bf16>(keys_of(53, ts)),
+                 as<bf16>(values_of(54, ts)),
+                 queries_of(55, c.n, c.kv_heads * c.group, c.head_dim));
   }
 }
 

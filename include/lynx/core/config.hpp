@@ -33,9 +33,11 @@
 #if defined(__GNUC__) || defined(__clang__)
 #define LYNX_RESTRICT __restrict__
 #define LYNX_ALWAYS_INLINE inline __attribute__((always_inline))
+#define LYNX_NOINLINE __attribute__((noinline))
 #else
 #define LYNX_RESTRICT
 #define LYNX_ALWAYS_INLINE inline
+#define LYNX_NOINLINE
 #endif
 
 // -ffast-math (also implied by -Ofast) lets the compiler reassociate sums, fuse

@@ -374,14 +374,20 @@ inline float code_float(Code k) {
     return static_cast<float>(static_cast<std::int32_t>(k));
 }
 
-/// Calls f(std::integral_constant<int, P>) for P = planes (1 <= planes <= Max), so
-/// loops over planes unroll and the loops around them vectorize.
-template <int Max, class F>
-void with_plane_count(int planes, F&& f) {
-  [&]<int... I>(std::integer_sequence<int, I...>) {
-    (void)((planes == I + 1 ? (f(std::integral_constant<int, I + 1>{}), true) : false) || ...);
+/// Calls f(std::integral_constant<int, P>) for P = planes, one of the plane counts
+/// Plan's precision levels hold (its streams' running sums: 4 and 16 for
+/// 16 = 4 + 12), so loops over planes unroll and the loops around them vectorize.
+/// Only those counts are compiled: a bit-plane source never holds another
+/// (plane_kv_source::planes is planes_at_level of its view's level).
+template <stream_plan_type Plan, class F>
+void with_level_planes(int planes, F&& f) {
+  [&]<int... L>(std::integer_sequence<int, L...>) {
+    (void)((planes == Plan::planes_at_level(L + 1)
+                ? (f(std::integral_constant<int, Plan::planes_at_level(L + 1)>{}), true)
+                : false) ||
+           ...);
   }
-  (std::make_integer_sequence<int, Max>{});
+  (std::make_integer_sequence<int, Plan::streams>{});
 }
 
 /// Lane of token t (0..31) of a block in a key tile decoded by nibbles
@@ -596,8 +602,8 @@ void score_tokens_portable(const plane_kv_source<Plan, G>& src, std::int64_t kv_
   score_blocks_portable(src, kv_head, q, heads, t0, t1, w, true, [&](std::int64_t b) {
     const std::uint32_t* rows[16];
     src.block_rows(true, kv_head, b, rows);
-    with_plane_count<Plan::bits>(src.planes,
-                                 [&](auto p) { decode_key_tile_portable<p()>(rows, D, w.tile); });
+    with_level_planes<Plan>(src.planes,
+                            [&](auto p) { decode_key_tile_portable<p()>(rows, D, w.tile); });
     return static_cast<const float*>(w.tile);
   });
 }
@@ -665,8 +671,8 @@ void accumulate_values_portable(const plane_kv_source<Plan, G>& src, std::int64_
   for (std::int64_t b = t0 / attention_block_tokens; b * attention_block_tokens < t1; ++b) {
     src.block_rows(false, kv_head, b, rows);
     const std::int64_t tb = b * attention_block_tokens;
-    with_plane_count<Plan::bits>(src.planes,
-                                 [&](auto p) { decode_value_block_portable<p()>(rows, D, tile); });
+    with_level_planes<Plan>(src.planes,
+                            [&](auto p) { decode_value_block_portable<p()>(rows, D, tile); });
     const std::int64_t ta = std::max(tb, t0), tz = std::min(tb + attention_block_tokens, t1);
     add_value_tile_portable(acc, odd, heads, D, groups, VG, w.weights + (ta - t0),
                             tile + (ta - tb) * D, ta, tz);
@@ -909,10 +915,9 @@ void accumulate_values_portable(const dense_kv_source<T>& src, std::int64_t kv_h
 /// accumulate_values_portable compiled for AVX2 + FMA: the AVX-512 kernels' loop for
 /// the shapes they do not take (same operations, same bits).
 template <class Source>
-LYNX_ATTENTION_FMA_CLONE void accumulate_values_portable_fma(const Source& src,
-                                                             std::int64_t kv_head, int heads,
-                                                             std::int64_t t0, std::int64_t t1,
-                                                             float* acc, const split_scratch& w) {
+LYNX_ATTENTION_FMA_CLONE LYNX_NOINLINE void accumulate_values_portable_fma(
+    const Source& src, std::int64_t kv_head, int heads, std::int64_t t0, std::int64_t t1,
+    float* acc, const split_scratch& w) {
   accumulate_values_portable(src, kv_head, heads, t0, t1, acc, w);
 }
 #endif
@@ -2882,8 +2887,7 @@ LYNX_ATTENTION_AVX2_TARGET void score_tokens_avx2(const plane_kv_source<Plan, G>
     src.prefetch_block(true, kv_head, b + prefetch_blocks);
     src.block_rows(true, kv_head, b, rows);
     __m256i* tile = reinterpret_cast<__m256i*>(w.tile);  // 32-byte aligned (carve_scratch)
-    with_plane_count<Plan::bits>(src.planes,
-                                 [&](auto p) { decode_key_tile_avx2<p()>(rows, D, tile); });
+    with_level_planes<Plan>(src.planes, [&](auto p) { decode_key_tile_avx2<p()>(rows, D, tile); });
     for (std::int64_t a = std::max(tb, t0); a < std::min(tb + attention_block_tokens, t1);) {
       const std::int64_t e = std::min({(a / KG + 1) * KG, tb + attention_block_tokens, t1});
       if (a / KG != folded_group)
@@ -3066,7 +3070,7 @@ LYNX_ATTENTION_AVX2_TARGET void accumulate_values_avx2(const plane_kv_source<Pla
     // loads and transposes overlap them (a chunk's FMAs outnumber the reorder window)
     __m256i codes[2][16];
     auto decode = [&](int c0, __m256i* r) {
-      with_plane_count<Plan::bits>(src.planes, [&](auto p) {
+      with_level_planes<Plan>(src.planes, [&](auto p) {
         plane_code_lanes_avx2<(p() < 8 ? p() : 8)>(rows, c0, r);
         if constexpr (p() > 8) plane_code_lanes_avx2<p() - 8>(rows + 8, c0, r + 8);
       });
@@ -3172,44 +3176,84 @@ void softmax_split(float* s, std::int64_t n, std::int64_t t0, std::int64_t first
   l = fixed_order_sum(s, n);
 }
 
-/// One split of one source for one query and one kv head: partial states of
-/// `heads` query heads over tokens [t0, t1) with tokens before `first_visible` masked.
-/// q: [heads][D], already multiplied by the softmax scale. m, l: [heads]; acc: [heads][D].
-/// next: the split this worker walks after this one (for prefetches; never changes a result).
-/// compute_split's portable walk (plain loops, the reference order).
-template <class Source, class Variant>
-void compute_split_portable(const Source& src, std::int64_t kv_head, const float* q, int heads,
-                            std::int64_t t0, std::int64_t t1, std::int64_t first_visible,
-                            const Variant& variant, const split_scratch& w, float* m, float* l,
-                            float* acc) {
-  score_tokens_portable(src, kv_head, q, heads, t0, t1, w);
-  for (int h = 0; h < heads; ++h)
-    softmax_split(w.scores + h * attention_split_tokens, t1 - t0, t0, first_visible, variant,
-                  host_walk::baseline, m[h], l[h]);
+/// The portable walk's value side of one split: the value weights (plane and code
+/// sources) and the sums of the weighted values into acc.
+template <class Source>
+void values_portable(const Source& src, std::int64_t kv_head, int heads, std::int64_t t0,
+                     std::int64_t t1, float* acc, const split_scratch& w) {
   if constexpr (requires { src.view; }) value_weights_portable(src, kv_head, heads, t0, t1, w);
   accumulate_values_portable(src, kv_head, heads, t0, t1, acc, w);
 }
 
-/// The portable walk as built, everything it calls inlined into a function that
-/// GCC compiles without contracting a * b + c: a build for a target with FMA
-/// (-march=native) would otherwise fuse what the walk rounds twice.
+// The portable loops as built, each compiled once per source (not per variant, and
+// not again inside every walk that falls back to them): everything they call
+// inlined into a function that GCC compiles without contracting a * b + c, as a
+// build for a target with FMA (-march=native) would otherwise fuse what the loops
+// round twice. The walks below call them and inline only the softmax.
+template <class Source>
+LYNX_ATTENTION_UNFUSED LYNX_NOINLINE void score_tokens_unfused(const Source& src,
+                                                               std::int64_t kv_head, const float* q,
+                                                               int heads, std::int64_t t0,
+                                                               std::int64_t t1,
+                                                               const split_scratch& w) {
+  score_tokens_portable(src, kv_head, q, heads, t0, t1, w);
+}
+
+template <class Source>
+LYNX_ATTENTION_UNFUSED LYNX_NOINLINE void values_unfused(const Source& src, std::int64_t kv_head,
+                                                         int heads, std::int64_t t0,
+                                                         std::int64_t t1, float* acc,
+                                                         const split_scratch& w) {
+  values_portable(src, kv_head, heads, t0, t1, acc, w);
+}
+
+#if LYNX_ATTENTION_AVX512
+// The same loops compiled for AVX2 + FMA (host_has_fma): the same operations in the
+// same order, so the same bits. The AVX2 walk falls back to these.
+template <class Source>
+LYNX_ATTENTION_FMA_CLONE __attribute__((noinline)) void score_tokens_portable_fma(
+    const Source& src, std::int64_t kv_head, const float* q, int heads, std::int64_t t0,
+    std::int64_t t1, const split_scratch& w) {
+  score_tokens_portable(src, kv_head, q, heads, t0, t1, w);
+}
+
+template <class Source>
+LYNX_ATTENTION_FMA_CLONE __attribute__((noinline)) void values_portable_fma(
+    const Source& src, std::int64_t kv_head, int heads, std::int64_t t0, std::int64_t t1,
+    float* acc, const split_scratch& w) {
+  values_portable(src, kv_head, heads, t0, t1, acc, w);
+}
+#endif
+
+/// One split of one source for one query and one kv head: partial states of
+/// `heads` query heads over tokens [t0, t1) with tokens before `first_visible` masked.
+/// q: [heads][D], already multiplied by the softmax scale. m, l: [heads]; acc: [heads][D].
+/// next: the split this worker walks after this one (for prefetches; never changes a result).
+/// compute_split's portable walk (plain loops, the reference order), as built.
 template <class Source, class Variant>
 LYNX_ATTENTION_UNFUSED void compute_split_portable_unfused(
     const Source& src, std::int64_t kv_head, const float* q, int heads, std::int64_t t0,
     std::int64_t t1, std::int64_t first_visible, const Variant& variant, const split_scratch& w,
     float* m, float* l, float* acc) {
-  compute_split_portable(src, kv_head, q, heads, t0, t1, first_visible, variant, w, m, l, acc);
+  score_tokens_unfused(src, kv_head, q, heads, t0, t1, w);
+  for (int h = 0; h < heads; ++h)
+    softmax_split(w.scores + h * attention_split_tokens, t1 - t0, t0, first_visible, variant,
+                  host_walk::baseline, m[h], l[h]);
+  values_unfused(src, kv_head, heads, t0, t1, acc, w);
 }
 
 #if LYNX_ATTENTION_AVX512
-/// The same walk with everything it calls inlined and compiled for AVX2 + FMA
-/// (host_has_fma): the same operations in the same order, so the same bits.
+/// The same walk compiled for AVX2 + FMA (host_has_fma).
 template <class Source, class Variant>
 LYNX_ATTENTION_FMA_CLONE void compute_split_portable_fma(
     const Source& src, std::int64_t kv_head, const float* q, int heads, std::int64_t t0,
     std::int64_t t1, std::int64_t first_visible, const Variant& variant, const split_scratch& w,
     float* m, float* l, float* acc) {
-  compute_split_portable(src, kv_head, q, heads, t0, t1, first_visible, variant, w, m, l, acc);
+  score_tokens_portable_fma(src, kv_head, q, heads, t0, t1, w);
+  for (int h = 0; h < heads; ++h)
+    softmax_split(w.scores + h * attention_split_tokens, t1 - t0, t0, first_visible, variant,
+                  host_walk::baseline, m[h], l[h]);
+  values_portable_fma(src, kv_head, heads, t0, t1, acc, w);
 }
 #endif
 
@@ -3239,11 +3283,11 @@ LYNX_ATTENTION_FMA_CLONE void compute_split_avx2(const Source& src, std::int64_t
     if (dense)
       score_tokens_avx2(src, kv_head, q, heads, t0, t1, w);
     else
-      score_tokens_portable(src, kv_head, q, heads, t0, t1, w);
+      score_tokens_portable_fma(src, kv_head, q, heads, t0, t1, w);
   } else if constexpr (requires { src.prefetch_block(true, 0, 0); }) {  // bit planes
     score_tokens_avx2(src, kv_head, q, heads, t0, t1, w, next);
   } else {  // merged codes
-    score_tokens_portable(src, kv_head, q, heads, t0, t1, w);
+    score_tokens_portable_fma(src, kv_head, q, heads, t0, t1, w);
   }
   for (int h = 0; h < heads; ++h)
     softmax_split(w.scores + h * attention_split_tokens, t1 - t0, t0, first_visible, variant,
@@ -3260,8 +3304,7 @@ LYNX_ATTENTION_FMA_CLONE void compute_split_avx2(const Source& src, std::int64_t
       return;
     }
   }
-  if constexpr (requires { src.view; }) value_weights_portable(src, kv_head, heads, t0, t1, w);
-  accumulate_values_portable(src, kv_head, heads, t0, t1, acc, w);
+  values_portable_fma(src, kv_head, heads, t0, t1, acc, w);
 }
 #endif
 

@@ -2728,6 +2728,17 @@ LYNX_ATTENTION_AVX2_TARGET inline __m256i lane_byte_avx2(__m256i v, int q) {
   return _mm256_and_si256(_mm256_srli_epi32(v, 8 * q), _mm256_set1_epi32(0xff));
 }
 
+/// N planes' codes of channels c0.. (word c of each plane row on) as bytes, a
+/// channel per vector into out[c0..] (decode_key_tile_avx2's tile layout).
+template <int N>
+LYNX_ATTENTION_AVX2_TARGET inline void store_key_chunk_avx2(const std::uint32_t* const* planes,
+                                                            int c, int c0, int D, __m256i* out) {
+  __m256i r[8], x[8];
+  plane_code_lanes_avx2<N>(planes, c, r);
+  transpose_8x8_epi32_avx2(r, x);
+  for (int l = 0; l < std::min(8, D - c0); ++l) _mm256_store_si256(out + c0 + l, x[l]);
+}
+
 /// Codes of one 32-token block of P planes, tile[c] a vector per channel: lane i,
 /// byte g is token 8g + i's code (lane_byte_avx2(tile[c], g) is tokens 8g..8g + 7
 /// in order). Eight channels at a time: their codes as bytes (plane_code_lanes_avx2:
@@ -2752,15 +2763,8 @@ LYNX_ATTENTION_AVX2_TARGET inline void decode_key_tile_avx2(const std::uint32_t*
       src = padded;
       c = 0;
     }
-    __m256i r[8], x[8];
-    plane_code_lanes_avx2<PH>(src, c, r);
-    transpose_8x8_epi32_avx2(r, x);
-    for (int l = 0; l < std::min(8, D - c0); ++l) _mm256_store_si256(tile + c0 + l, x[l]);
-    if constexpr (PL > 0) {
-      plane_code_lanes_avx2<PL>(src + PH, c, r);
-      transpose_8x8_epi32_avx2(r, x);
-      for (int l = 0; l < std::min(8, D - c0); ++l) _mm256_store_si256(tile + D + c0 + l, x[l]);
-    }
+    store_key_chunk_avx2<PH>(src, c, c0, D, tile);
+    if constexpr (PL > 0) store_key_chunk_avx2<PL>(src + PH, c, c0, D, tile + D);
   }
 }
 
@@ -2777,18 +2781,21 @@ LYNX_ATTENTION_AVX2_TARGET inline void score_tile_avx2(const __m256i* tile, int 
   const __m128i pls = _mm_cvtsi32_si128(pl);
   auto pass = [&]<int T0>() LYNX_ATTENTION_AVX2_TARGET {
     if (T0 >= lb || T0 + 16 <= la) return;
-    auto code = [&](int c, int g) LYNX_ATTENTION_AVX2_TARGET {  // tokens 8g..8g + 7
-      const __m256i high = lane_byte_avx2(_mm256_load_si256(tile + c), g);
+    // tokens 8g..8g + 7 of a channel whose tile vectors are hv (high) and lv (low)
+    auto code = [&](__m256i hv, __m256i lv, int g) LYNX_ATTENTION_AVX2_TARGET {
+      const __m256i high = lane_byte_avx2(hv, g);
       if constexpr (!Two)
         return _mm256_cvtepi32_ps(high);
       else
-        return _mm256_cvtepi32_ps(_mm256_or_si256(
-            _mm256_sll_epi32(high, pls), lane_byte_avx2(_mm256_load_si256(tile + D + c), g)));
+        return _mm256_cvtepi32_ps(
+            _mm256_or_si256(_mm256_sll_epi32(high, pls), lane_byte_avx2(lv, g)));
     };
     // named sums, not an array: GCC 12 kept an array of them in memory as well
     __m256 a0 = _mm256_setzero_ps(), b0 = a0, a1 = a0, b1 = a0, a2 = a0, b2 = a0, a3 = a0, b3 = a0;
     for (int c = 0; c < D; ++c) {
-      const __m256 k0 = code(c, T0 / 8), k1 = code(c, T0 / 8 + 1);
+      const __m256i hv = _mm256_load_si256(tile + c);
+      const __m256i lv = Two ? _mm256_load_si256(tile + D + c) : hv;
+      const __m256 k0 = code(hv, lv, T0 / 8), k1 = code(hv, lv, T0 / 8 + 1);
       const __m256 q0 = _mm256_broadcast_ss(qs + c);
       a0 = _mm256_fmadd_ps(q0, k0, a0);
       b0 = _mm256_fmadd_ps(q0, k1, b0);
@@ -3051,6 +3058,7 @@ LYNX_ATTENTION_AVX2_TARGET void accumulate_values_avx2(const plane_kv_source<Pla
   const int D = static_cast<int>(g.head_dim);
   const int groups = static_cast<int>(g.value_channel_groups());
   const std::int64_t VG = g.value_group, hs = attention_split_tokens * groups;
+  const int pl = std::max(src.planes - 8, 0);  // planes past the high byte
   float* odd = w.odd;
   std::fill(acc, acc + heads * D, 0.0f);
   std::fill(odd, odd + heads * D, 0.0f);
@@ -3079,7 +3087,6 @@ LYNX_ATTENTION_AVX2_TARGET void accumulate_values_avx2(const plane_kv_source<Pla
     for (int c0 = 0, k = 0; c0 < D; c0 += 8, k ^= 1) {
       if (c0 + 8 < D) decode(c0 + 8, codes[k ^ 1]);
       const __m256i *r = codes[k], *s = codes[k] + 8;
-      const int pl = std::max(src.planes - 8, 0);
       for (int h = 0; h < heads; h += 4)
         dispatch<1, 2, 3, 4>(std::min(4, heads - h), [&]<int HC>() {
           auto run = [&]<bool Two, bool Full>() {

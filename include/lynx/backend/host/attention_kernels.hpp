@@ -2705,6 +2705,25 @@ LYNX_ATTENTION_AVX2_TARGET inline void plane_code_lanes_avx2(const std::uint32_t
   for (int i : {0, 2, 4, 6}) swap_bits_avx2<1>(r[i], r[i + 1], m1);
 }
 
+/// The codes of one 32-token block of N (<= 4) planes at channels [c, c + 8), a
+/// lane each, as nibbles: byte g of lane l of r[k] holds token 8g + k's code in its
+/// low nibble and token 8g + k + 4's in its high one (plane 0 at bit N - 1). The
+/// rows (plane N - 1 - m as row m, absent planes 0) are transposed as 4 x 4 bit
+/// blocks, one per nibble: two delta swap stages where 8 planes need three.
+template <int N>
+LYNX_ATTENTION_AVX2_TARGET inline void plane_code_nibbles_avx2(const std::uint32_t* const* row,
+                                                               int c, __m256i* r) {
+  static_assert(N >= 1 && N <= 4);
+  for (int k = 0; k < 4; ++k)
+    r[k] = k < N ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row[(N - 1 - k) % N] + c))
+                 : _mm256_setzero_si256();
+  const __m256i m2 = _mm256_set1_epi32(0x33333333), m1 = _mm256_set1_epi32(0x55555555);
+  swap_bits_avx2<2>(r[0], r[2], m2);
+  swap_bits_avx2<2>(r[1], r[3], m2);
+  swap_bits_avx2<1>(r[0], r[1], m1);
+  swap_bits_avx2<1>(r[2], r[3], m1);
+}
+
 /// x[l] lane i = r[i] lane l: an 8 x 8 transpose of 32-bit lanes.
 LYNX_ATTENTION_AVX2_TARGET inline void transpose_8x8_epi32_avx2(const __m256i* r, __m256i* x) {
   __m256i t[8], u[8];
@@ -2739,6 +2758,33 @@ LYNX_ATTENTION_AVX2_TARGET inline void store_key_chunk_avx2(const std::uint32_t*
   for (int l = 0; l < std::min(8, D - c0); ++l) _mm256_store_si256(out + c0 + l, x[l]);
 }
 
+/// store_key_chunk_avx2 for N <= 4 planes from plane_code_nibbles_avx2: a 4 x 8
+/// transpose of 32-bit lanes gives each channel its four dwords, which fill lanes
+/// 0-3 of its vector (low nibbles) and, shifted by 4, lanes 4-7 (high nibbles),
+/// masked to one code per byte: the same tile as from bytes.
+template <int N>
+LYNX_ATTENTION_AVX2_TARGET inline void store_key_nibbles_avx2(const std::uint32_t* const* planes,
+                                                              int c, int c0, int D, __m256i* out) {
+  __m256i r[4];
+  plane_code_nibbles_avx2<N>(planes, c, r);
+  const __m256i t0 = _mm256_unpacklo_epi32(r[0], r[1]), t1 = _mm256_unpackhi_epi32(r[0], r[1]),
+                t2 = _mm256_unpacklo_epi32(r[2], r[3]), t3 = _mm256_unpackhi_epi32(r[2], r[3]);
+  // u[l]: channel c0 + l's dwords in the low 128 bits, channel c0 + 4 + l's in the high
+  const __m256i u[4] = {_mm256_unpacklo_epi64(t0, t2), _mm256_unpackhi_epi64(t0, t2),
+                        _mm256_unpacklo_epi64(t1, t3), _mm256_unpackhi_epi64(t1, t3)};
+  const __m256i sh = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4);
+  const __m256i m = _mm256_set1_epi32(0x0f0f0f0f);
+  auto spread = [&](__m256i x) LYNX_ATTENTION_AVX2_TARGET {
+    return _mm256_and_si256(_mm256_srlv_epi32(x, sh), m);
+  };
+  for (int l = 0; l < 4; ++l) {
+    if (l < D - c0)
+      _mm256_store_si256(out + c0 + l, spread(_mm256_permute2x128_si256(u[l], u[l], 0x00)));
+    if (l + 4 < D - c0)
+      _mm256_store_si256(out + c0 + 4 + l, spread(_mm256_permute2x128_si256(u[l], u[l], 0x11)));
+  }
+}
+
 /// Codes of one 32-token block of P planes, tile[c] a vector per channel: lane i,
 /// byte g is token 8g + i's code (lane_byte_avx2(tile[c], g) is tokens 8g..8g + 7
 /// in order). Eight channels at a time: their codes as bytes (plane_code_lanes_avx2:
@@ -2763,8 +2809,12 @@ LYNX_ATTENTION_AVX2_TARGET inline void decode_key_tile_avx2(const std::uint32_t*
       src = padded;
       c = 0;
     }
-    store_key_chunk_avx2<PH>(src, c, c0, D, tile);
-    if constexpr (PL > 0) store_key_chunk_avx2<PL>(src + PH, c, c0, D, tile + D);
+    if constexpr (P <= 4) {
+      store_key_nibbles_avx2<P>(src, c, c0, D, tile);
+    } else {
+      store_key_chunk_avx2<PH>(src, c, c0, D, tile);
+      if constexpr (PL > 0) store_key_chunk_avx2<PL>(src + PH, c, c0, D, tile + D);
+    }
   }
 }
 
@@ -2994,9 +3044,15 @@ LYNX_ATTENTION_AVX2_TARGET void value_weights_avx2(const plane_kv_source<Plan, G
 
 /// Token t's codes (8 channels, a lane each) from plane_code_lanes_avx2's bytes:
 /// r's, or with Two (more than 8 planes) r's << pl | s's (planes 8..8 + pl - 1).
-template <bool Two>
+/// Nib: r from plane_code_nibbles_avx2 (4 planes or fewer).
+template <bool Two, bool Nib>
 LYNX_ATTENTION_AVX2_TARGET inline __m256 value_code_avx2(const __m256i* r, const __m256i* s,
                                                          __m128i pl, int t) {
+  if constexpr (Nib) {
+    const __m128i shift = _mm_cvtsi32_si128(8 * (t / 8) + 4 * (t % 8 / 4));
+    return _mm256_cvtepi32_ps(
+        _mm256_and_si256(_mm256_srl_epi32(r[t % 4], shift), _mm256_set1_epi32(0xf)));
+  }
   const __m256i byte = _mm256_set1_epi32(0xff);
   const __m128i shift = _mm_cvtsi32_si128(8 * (t / 8));
   const __m256i high = _mm256_and_si256(_mm256_srl_epi32(r[t % 8], shift), byte);
@@ -3015,7 +3071,7 @@ LYNX_ATTENTION_AVX2_TARGET inline __m256 value_code_avx2(const __m256i* r, const
 /// token). wt: the weight of head 0, token 0 of the block in c0's group; head h,
 /// token t at wt[h * hs + t * groups]; acc and odd: head h at h * D. Full: [la, lb) is the whole
 /// block, its 32 tokens unrolled. Not inlined: one copy for every plane count.
-template <int HC, bool Two, bool Full>
+template <int HC, bool Two, bool Full, bool Nib>
 LYNX_ATTENTION_AVX2_TARGET __attribute__((noinline)) void add_value_codes_avx2(
     const __m256i* r, const __m256i* s, int pl, const float* wt, std::int64_t hs, int groups,
     float* acc, float* odd, int D, int la, int lb) {
@@ -3026,7 +3082,7 @@ LYNX_ATTENTION_AVX2_TARGET __attribute__((noinline)) void add_value_codes_avx2(
     o[h] = _mm256_loadu_ps(odd + h * D);
   }
   auto add = [&](int t) LYNX_ATTENTION_AVX2_TARGET {
-    const __m256 k = value_code_avx2<Two>(r, s, pls, t);
+    const __m256 k = value_code_avx2<Two, Nib>(r, s, pls, t);
     for (int h = 0; h < HC; ++h) {
       const __m256 wv = _mm256_broadcast_ss(wt + h * hs + t * groups);
       if (t % 2 == 0)
@@ -3059,6 +3115,7 @@ LYNX_ATTENTION_AVX2_TARGET void accumulate_values_avx2(const plane_kv_source<Pla
   const int groups = static_cast<int>(g.value_channel_groups());
   const std::int64_t VG = g.value_group, hs = attention_split_tokens * groups;
   const int pl = std::max(src.planes - 8, 0);  // planes past the high byte
+  const bool nib = src.planes <= 4;            // plane_code_nibbles_avx2's codes
   float* odd = w.odd;
   std::fill(acc, acc + heads * D, 0.0f);
   std::fill(odd, odd + heads * D, 0.0f);
@@ -3079,8 +3136,12 @@ LYNX_ATTENTION_AVX2_TARGET void accumulate_values_avx2(const plane_kv_source<Pla
     __m256i codes[2][16];
     auto decode = [&](int c0, __m256i* r) {
       with_level_planes<Plan>(src.planes, [&](auto p) {
-        plane_code_lanes_avx2<(p() < 8 ? p() : 8)>(rows, c0, r);
-        if constexpr (p() > 8) plane_code_lanes_avx2<p() - 8>(rows + 8, c0, r + 8);
+        if constexpr (p() <= 4) {
+          plane_code_nibbles_avx2<p()>(rows, c0, r);
+        } else {
+          plane_code_lanes_avx2<(p() < 8 ? p() : 8)>(rows, c0, r);
+          if constexpr (p() > 8) plane_code_lanes_avx2<p() - 8>(rows + 8, c0, r + 8);
+        }
       });
     };
     decode(0, codes[0]);
@@ -3089,14 +3150,20 @@ LYNX_ATTENTION_AVX2_TARGET void accumulate_values_avx2(const plane_kv_source<Pla
       const __m256i *r = codes[k], *s = codes[k] + 8;
       for (int h = 0; h < heads; h += 4)
         dispatch<1, 2, 3, 4>(std::min(4, heads - h), [&]<int HC>() {
-          auto run = [&]<bool Two, bool Full>() {
-            add_value_codes_avx2<HC, Two, Full>(r, s, pl, wt + h * hs + c0 / VG, hs, groups,
-                                                acc + h * D + c0, odd + h * D + c0, D, la, lb);
+          auto run = [&]<bool Two, bool Nib>() {
+            auto go = [&]<bool Full>() {
+              add_value_codes_avx2<HC, Two, Full, Nib>(r, s, pl, wt + h * hs + c0 / VG, hs, groups,
+                                                       acc + h * D + c0, odd + h * D + c0, D, la,
+                                                       lb);
+            };
+            full ? go.template operator()<true>() : go.template operator()<false>();
           };
           if (pl > 0)
-            full ? run.template operator()<true, true>() : run.template operator()<true, false>();
+            run.template operator()<true, false>();
+          else if (nib)
+            run.template operator()<false, true>();
           else
-            full ? run.template operator()<false, true>() : run.template operator()<false, false>();
+            run.template operator()<false, false>();
         });
     }
   }

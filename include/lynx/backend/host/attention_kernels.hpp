@@ -3070,7 +3070,8 @@ LYNX_ATTENTION_AVX2_TARGET inline __m256 value_code_avx2(const __m256i* r, const
 /// order into the sum of its parity (acc even, odd odd; a block starts at an even
 /// token). wt: the weight of head 0, token 0 of the block in c0's group; head h,
 /// token t at wt[h * hs + t * groups]; acc and odd: head h at h * D. Full: [la, lb) is the whole
-/// block, its 32 tokens unrolled. Not inlined: one copy for every plane count.
+/// block, its 32 tokens unrolled. Nib: r holds nibbles (4 planes or fewer). Not inlined: one
+/// copy per (HC, Two, Full, Nib), shared by every plane count.
 template <int HC, bool Two, bool Full, bool Nib>
 LYNX_ATTENTION_AVX2_TARGET __attribute__((noinline)) void add_value_codes_avx2(
     const __m256i* r, const __m256i* s, int pl, const float* wt, std::int64_t hs, int groups,

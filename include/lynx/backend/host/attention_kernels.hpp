@@ -2686,6 +2686,18 @@ LYNX_ATTENTION_AVX2_TARGET inline void swap_bits_avx2(__m256i& a, __m256i& b, __
   a = _mm256_xor_si256(a, _mm256_slli_epi32(t, S));
 }
 
+/// The R rows of a bit matrix whose transpose is N planes' codes at channels
+/// [c, c + 8): plane N - 1 - k as row k (the code's lowest bit first), rows N..R-1
+/// zero (absent planes).
+template <int N, int R>
+LYNX_ATTENTION_AVX2_TARGET inline void load_plane_rows_avx2(const std::uint32_t* const* row, int c,
+                                                            __m256i* r) {
+  static_assert(N >= 1 && N <= R);
+  for (int k = 0; k < R; ++k)
+    r[k] = k < N ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row[(N - 1 - k) % N] + c))
+                 : _mm256_setzero_si256();
+}
+
 /// The codes of one 32-token block of N (<= 8) planes at channels [c, c + 8), a
 /// lane each, as bytes: byte g of lane l of r[i] is token 8g + i's code in channel
 /// c + l (plane 0 at bit N - 1, the bits above N 0). Each lane's plane words are
@@ -2695,9 +2707,7 @@ template <int N>
 LYNX_ATTENTION_AVX2_TARGET inline void plane_code_lanes_avx2(const std::uint32_t* const* row, int c,
                                                              __m256i* r) {
   static_assert(N >= 1 && N <= 8);
-  for (int k = 0; k < 8; ++k)
-    r[k] = k < N ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row[(N - 1 - k) % N] + c))
-                 : _mm256_setzero_si256();
+  load_plane_rows_avx2<N, 8>(row, c, r);
   const __m256i m4 = _mm256_set1_epi32(0x0f0f0f0f), m2 = _mm256_set1_epi32(0x33333333),
                 m1 = _mm256_set1_epi32(0x55555555);
   for (int i = 0; i < 4; ++i) swap_bits_avx2<4>(r[i], r[i + 4], m4);
@@ -2714,9 +2724,7 @@ template <int N>
 LYNX_ATTENTION_AVX2_TARGET inline void plane_code_nibbles_avx2(const std::uint32_t* const* row,
                                                                int c, __m256i* r) {
   static_assert(N >= 1 && N <= 4);
-  for (int k = 0; k < 4; ++k)
-    r[k] = k < N ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row[(N - 1 - k) % N] + c))
-                 : _mm256_setzero_si256();
+  load_plane_rows_avx2<N, 4>(row, c, r);
   const __m256i m2 = _mm256_set1_epi32(0x33333333), m1 = _mm256_set1_epi32(0x55555555);
   swap_bits_avx2<2>(r[0], r[2], m2);
   swap_bits_avx2<2>(r[1], r[3], m2);
@@ -2929,38 +2937,40 @@ LYNX_ATTENTION_AVX2_TARGET void score_tokens_avx2(const plane_kv_source<Plan, G>
   const layer_geometry& g = src.view.geometry;
   const int D = static_cast<int>(g.head_dim);
   const std::int64_t KG = g.key_group;
-  std::int64_t folded_group = -1;
-  const std::uint32_t* rows[16];
-  const int pl = std::max(src.planes - 8, 0);  // planes of the codes' low byte
   const std::int64_t b0 = t0 / attention_block_tokens;
   const int nb = static_cast<int>((t1 + attention_block_tokens - 1) / attention_block_tokens - b0);
-  for (std::int64_t b = b0; b * attention_block_tokens < t1; ++b) {
-    const std::int64_t tb = b * attention_block_tokens;
-    // L2 gets this split's values and the next split's keys a slice per block, as
-    // on the AVX-512 path; L1 the keys a few blocks ahead
-    src.prefetch_split_slice(false, kv_head, t0, t1, static_cast<int>(b - b0), nb);
-    if (next.t1 > next.t0)
-      src.prefetch_split_slice(true, next.kv_head, next.t0, next.t1, static_cast<int>(b - b0), nb);
-    src.prefetch_block(true, kv_head, b + prefetch_blocks);
-    src.block_rows(true, kv_head, b, rows);
-    __m256i* tile = reinterpret_cast<__m256i*>(w.tile);  // 32-byte aligned (carve_scratch)
-    with_level_planes<Plan>(src.planes, [&](auto p) { decode_key_tile_avx2<p()>(rows, D, tile); });
-    for (std::int64_t a = std::max(tb, t0); a < std::min(tb + attention_block_tokens, t1);) {
-      const std::int64_t e = std::min({(a / KG + 1) * KG, tb + attention_block_tokens, t1});
-      if (a / KG != folded_group)
-        fold_queries_avx2(src, kv_head, folded_group = a / KG, q, heads, w);
-      for (int h = 0; h < heads; h += 4)
-        dispatch<1, 2, 3, 4>(std::min(4, heads - h), [&]<int HC>() {
-          float* out = w.scores + h * attention_split_tokens + (tb - t0);
-          const int la = static_cast<int>(a - tb), lb = static_cast<int>(e - tb);
-          if (pl > 0)
-            score_tile_avx2<HC, true>(tile, D, pl, w.qs + h * D, w.bias + h, out, la, lb);
-          else
-            score_tile_avx2<HC, false>(tile, D, pl, w.qs + h * D, w.bias + h, out, la, lb);
-        });
-      a = e;
+  with_level_planes<Plan>(src.planes, [&](auto p) LYNX_ATTENTION_AVX2_TARGET {
+    constexpr int P = p();
+    constexpr bool Two = P > 8;         // codes of more than a byte
+    const int pl = std::max(P - 8, 0);  // planes of the codes' low byte
+    std::int64_t folded_group = -1;
+    const std::uint32_t* rows[16];
+    for (std::int64_t b = b0; b * attention_block_tokens < t1; ++b) {
+      const std::int64_t tb = b * attention_block_tokens;
+      // L2 gets this split's values and the next split's keys a slice per block, as
+      // on the AVX-512 path; L1 the keys a few blocks ahead
+      src.prefetch_split_slice(false, kv_head, t0, t1, static_cast<int>(b - b0), nb);
+      if (next.t1 > next.t0)
+        src.prefetch_split_slice(true, next.kv_head, next.t0, next.t1, static_cast<int>(b - b0),
+                                 nb);
+      src.prefetch_block(true, kv_head, b + prefetch_blocks);
+      src.block_rows(true, kv_head, b, rows);
+      __m256i* tile = reinterpret_cast<__m256i*>(w.tile);  // 32-byte aligned (carve_scratch)
+      decode_key_tile_avx2<P>(rows, D, tile);
+      for (std::int64_t a = std::max(tb, t0); a < std::min(tb + attention_block_tokens, t1);) {
+        const std::int64_t e = std::min({(a / KG + 1) * KG, tb + attention_block_tokens, t1});
+        if (a / KG != folded_group)
+          fold_queries_avx2(src, kv_head, folded_group = a / KG, q, heads, w);
+        for (int h = 0; h < heads; h += 4)
+          dispatch<1, 2, 3, 4>(std::min(4, heads - h), [&]<int HC>() {
+            float* out = w.scores + h * attention_split_tokens + (tb - t0);
+            const int la = static_cast<int>(a - tb), lb = static_cast<int>(e - tb);
+            score_tile_avx2<HC, Two>(tile, D, pl, w.qs + h * D, w.bias + h, out, la, lb);
+          });
+        a = e;
+      }
     }
-  }
+  });
 }
 
 /// Whether the AVX2 bit-plane value kernels (value_weights_avx2,
@@ -3115,59 +3125,53 @@ LYNX_ATTENTION_AVX2_TARGET void accumulate_values_avx2(const plane_kv_source<Pla
   const int D = static_cast<int>(g.head_dim);
   const int groups = static_cast<int>(g.value_channel_groups());
   const std::int64_t VG = g.value_group, hs = attention_split_tokens * groups;
-  const int pl = std::max(src.planes - 8, 0);  // planes past the high byte
-  const bool nib = src.planes <= 4;            // plane_code_nibbles_avx2's codes
   float* odd = w.odd;
   std::fill(acc, acc + heads * D, 0.0f);
   std::fill(odd, odd + heads * D, 0.0f);
-  const std::uint32_t* rows[16];
-  for (std::int64_t b = t0 / attention_block_tokens; b * attention_block_tokens < t1; ++b) {
-    const std::int64_t tb = b * attention_block_tokens;
-    src.prefetch_block(false, kv_head, b + prefetch_blocks);
-    src.block_rows(false, kv_head, b, rows);
-    const int la = static_cast<int>(std::max(tb, t0) - tb);
-    const int lb = static_cast<int>(std::min(tb + attention_block_tokens, t1) - tb);
-    // the weights of the block's token 0 (before t0 when the split starts mid-block:
-    // only tokens from la on are read)
-    const float* wt = w.weights + (tb - t0) * groups;
-    const bool full = la == 0 && lb == attention_block_tokens;
-    // a chunk's codes: [0, 8) planes 0..7, [8, 16) planes 8..; two chunks' worth,
-    // the next chunk decoded before this one's multiply-adds are issued, so that its
-    // loads and transposes overlap them (a chunk's FMAs outnumber the reorder window)
-    __m256i codes[2][16];
-    auto decode = [&](int c0, __m256i* r) {
-      with_level_planes<Plan>(src.planes, [&](auto p) {
-        if constexpr (p() <= 4) {
-          plane_code_nibbles_avx2<p()>(rows, c0, r);
+  with_level_planes<Plan>(src.planes, [&](auto p) LYNX_ATTENTION_AVX2_TARGET {
+    constexpr int P = p();
+    constexpr bool Two = P > 8;         // codes of more than a byte
+    constexpr bool Nib = P <= 4;        // plane_code_nibbles_avx2's codes
+    const int pl = std::max(P - 8, 0);  // planes past the high byte
+    const std::uint32_t* rows[16];
+    for (std::int64_t b = t0 / attention_block_tokens; b * attention_block_tokens < t1; ++b) {
+      const std::int64_t tb = b * attention_block_tokens;
+      src.prefetch_block(false, kv_head, b + prefetch_blocks);
+      src.block_rows(false, kv_head, b, rows);
+      const int la = static_cast<int>(std::max(tb, t0) - tb);
+      const int lb = static_cast<int>(std::min(tb + attention_block_tokens, t1) - tb);
+      // the weights of the block's token 0 (before t0 when the split starts mid-block:
+      // only tokens from la on are read)
+      const float* wt = w.weights + (tb - t0) * groups;
+      const bool full = la == 0 && lb == attention_block_tokens;
+      // a chunk's codes: [0, 8) planes 0..7, [8, 16) planes 8..; two chunks' worth,
+      // the next chunk decoded before this one's multiply-adds are issued, so that its
+      // loads and transposes overlap them (a chunk's FMAs outnumber the reorder window)
+      __m256i codes[2][16];
+      auto decode = [&](int c0, __m256i* r) LYNX_ATTENTION_AVX2_TARGET {
+        if constexpr (Nib) {
+          plane_code_nibbles_avx2<P>(rows, c0, r);
         } else {
-          plane_code_lanes_avx2<(p() < 8 ? p() : 8)>(rows, c0, r);
-          if constexpr (p() > 8) plane_code_lanes_avx2<p() - 8>(rows + 8, c0, r + 8);
+          plane_code_lanes_avx2<(P < 8 ? P : 8)>(rows, c0, r);
+          if constexpr (Two) plane_code_lanes_avx2<P - 8>(rows + 8, c0, r + 8);
         }
-      });
-    };
-    decode(0, codes[0]);
-    for (int c0 = 0, k = 0; c0 < D; c0 += 8, k ^= 1) {
-      if (c0 + 8 < D) decode(c0 + 8, codes[k ^ 1]);
-      const __m256i *r = codes[k], *s = codes[k] + 8;
-      for (int h = 0; h < heads; h += 4)
-        dispatch<1, 2, 3, 4>(std::min(4, heads - h), [&]<int HC>() {
-          auto run = [&]<bool Two, bool Nib>() {
+      };
+      decode(0, codes[0]);
+      for (int c0 = 0, k = 0; c0 < D; c0 += 8, k ^= 1) {
+        if (c0 + 8 < D) decode(c0 + 8, codes[k ^ 1]);
+        const __m256i *r = codes[k], *s = codes[k] + 8;
+        for (int h = 0; h < heads; h += 4)
+          dispatch<1, 2, 3, 4>(std::min(4, heads - h), [&]<int HC>() {
             auto go = [&]<bool Full>() {
               add_value_codes_avx2<HC, Two, Full, Nib>(r, s, pl, wt + h * hs + c0 / VG, hs, groups,
                                                        acc + h * D + c0, odd + h * D + c0, D, la,
                                                        lb);
             };
             full ? go.template operator()<true>() : go.template operator()<false>();
-          };
-          if (pl > 0)
-            run.template operator()<true, false>();
-          else if (nib)
-            run.template operator()<false, true>();
-          else
-            run.template operator()<false, false>();
-        });
+          });
+      }
     }
-  }
+  });
   for (std::int64_t i = 0; i < heads * D; ++i) acc[i] += odd[i];
   add_value_offsets(w.offsets, heads, D, groups, VG, acc);
 }

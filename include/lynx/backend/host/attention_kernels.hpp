@@ -2945,10 +2945,11 @@ LYNX_ATTENTION_AVX2_TARGET void score_tokens_avx2(const plane_kv_source<Plan, G>
   const int nb = static_cast<int>((t1 + attention_block_tokens - 1) / attention_block_tokens - b0);
   with_level_planes<Plan>(src.planes, [&](auto p) LYNX_ATTENTION_AVX2_TARGET {
     constexpr int P = p();
-    constexpr bool Two = P > 8;         // codes of more than a byte
-    const int pl = std::max(P - 8, 0);  // planes of the codes' low byte
+    constexpr bool Two = P > 8;             // codes of more than a byte
+    constexpr int pl = std::max(P - 8, 0);  // planes of the codes' low byte
     std::int64_t folded_group = -1;
     const std::uint32_t* rows[16];
+    __m256i* tile = reinterpret_cast<__m256i*>(w.tile);  // 32-byte aligned (carve_scratch)
     for (std::int64_t b = b0; b * attention_block_tokens < t1; ++b) {
       const std::int64_t tb = b * attention_block_tokens;
       // L2 gets this split's values and the next split's keys a slice per block, as
@@ -2959,7 +2960,6 @@ LYNX_ATTENTION_AVX2_TARGET void score_tokens_avx2(const plane_kv_source<Plan, G>
                                  nb);
       src.prefetch_block(true, kv_head, b + prefetch_blocks);
       src.block_rows(true, kv_head, b, rows);
-      __m256i* tile = reinterpret_cast<__m256i*>(w.tile);  // 32-byte aligned (carve_scratch)
       decode_key_tile_avx2<P>(rows, D, tile);
       for (std::int64_t a = std::max(tb, t0); a < std::min(tb + attention_block_tokens, t1);) {
         const std::int64_t e = std::min({(a / KG + 1) * KG, tb + attention_block_tokens, t1});
@@ -3134,9 +3134,9 @@ LYNX_ATTENTION_AVX2_TARGET void accumulate_values_avx2(const plane_kv_source<Pla
   std::fill(odd, odd + heads * D, 0.0f);
   with_level_planes<Plan>(src.planes, [&](auto p) LYNX_ATTENTION_AVX2_TARGET {
     constexpr int P = p();
-    constexpr bool Two = P > 8;         // codes of more than a byte
-    constexpr bool Nib = P <= 4;        // plane_code_nibbles_avx2's codes
-    const int pl = std::max(P - 8, 0);  // planes past the high byte
+    constexpr bool Two = P > 8;             // codes of more than a byte
+    constexpr bool Nib = P <= 4;            // plane_code_nibbles_avx2's codes
+    constexpr int pl = std::max(P - 8, 0);  // planes past the high byte
     const std::uint32_t* rows[16];
     for (std::int64_t b = t0 / attention_block_tokens; b * attention_block_tokens < t1; ++b) {
       const std::int64_t tb = b * attention_block_tokens;

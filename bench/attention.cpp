@@ -16,6 +16,8 @@
 // then the one-time cost of merging a complete layer into codes.
 // LYNX_ATTENTION_PATH=portable|avx2|avx512 runs the cases on that path (default:
 // automatic), to compare paths with one binary.
+// LYNX_PREFETCH=l1|l2 sets the cache level the walks prefetch into (default: by
+// the L1 size, lynx::detail::prefetch_into_l2); the table's header names it.
 // On a shared machine run with --benchmark_repetitions=N: the table takes the
 // median repetition of every benchmark (floors and cases alike).
 #include <benchmark/benchmark.h>
@@ -38,6 +40,7 @@
 #include "huge_pages.hpp"
 #include "lynx/attention/decode_attention.hpp"
 #include "lynx/backend/host/parallel.hpp"
+#include "lynx/backend/host/prefetch.hpp"
 #include "lynx/planes/codec.hpp"
 
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -394,10 +397,11 @@ int main(int argc, char** argv) {
 
   const char* path = std::getenv("LYNX_ATTENTION_PATH");
   std::printf(
-      "\nDecode attention, 1 query, %lld q heads, %lld kv heads, head_dim %lld, path %s (times in "
-      "ms)\n",
+      "\nDecode attention, 1 query, %lld q heads, %lld kv heads, head_dim %lld, path %s, "
+      "prefetch %s (times in ms)\n",
       static_cast<long long>(q_heads), static_cast<long long>(kv_heads),
-      static_cast<long long>(head_dim), path ? path : "automatic");
+      static_cast<long long>(head_dim), path ? path : "automatic",
+      lynx::detail::prefetch_into_l2() ? "l2" : "l1");
   std::printf("%-15s %7s %7s %9s %9s %9s %12s %9s\n", "case", "tokens", "threads", "time", "memory",
               "compute", "x floor", "vs bf16");
   for (std::int64_t T : contexts)

@@ -9,6 +9,9 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #if defined(__unix__)
 #include <unistd.h>
 #endif
@@ -16,24 +19,36 @@
 namespace lynx::detail {
 
 /// Whether the prefetches that run a split or an item ahead of a kernel (the
-/// attention walks, encode's next rows) ask into L2 rather than L1: on CPUs
-/// whose L1 data cache holds 32 KiB or less. A split's walk covers up to
+/// attention walks, encode's next rows) ask into L2 rather than L1: by default on
+/// CPUs whose L1 data cache holds 32 KiB or less. A split's walk covers up to
 /// 256 KiB (keys or values of 1,024 tokens), which a small L1 cannot hold
 /// beside the kernel's own rows. Measured at 32K tokens, one thread: with a
 /// 32 KiB L1 (AMD Zen 4) L2 prefetches took all of 8 = 4 + 4 from 12.6 to
 /// 10.3 ms and 16 = 4 + 12 from 19.6 to 14.9 ms; on the machine the walks were
 /// first tuned on (two full-width AVX-512 FMA pipes, so a core with a 48 KiB
-/// L1) they made all of 8 = 4 + 4 slower, 5.4 -> 7.3 ms.
+/// L1) they made all of 8 = 4 + 4 slower, 5.4 -> 7.3 ms. On a third machine, an
+/// Intel Xeon with AVX-512, AMX and a 48 KiB L1 and 2 MiB L2 per core, L2 was the
+/// better level again (min of 5 alternating rounds: all of 8 = 4 + 4 10.3 -> 9.3
+/// ms, all of 16 = 4 + 12 17.8 -> 16.9 ms, the anchor unchanged), so the L1 size
+/// alone does not decide it.
+/// LYNX_PREFETCH=l1 or LYNX_PREFETCH=l2 in the environment overrides the choice
+/// (read once per process); any other value is reported on stderr and ignored.
+/// The level never changes a result, only when the bytes arrive.
 inline bool prefetch_into_l2() {
+  static const bool into_l2 = [] {
+    if (const char* e = std::getenv("LYNX_PREFETCH"); e != nullptr && *e != '\0') {
+      if (std::strcmp(e, "l1") == 0 || std::strcmp(e, "L1") == 0) return false;
+      if (std::strcmp(e, "l2") == 0 || std::strcmp(e, "L2") == 0) return true;
+      std::fprintf(stderr, "lynx: LYNX_PREFETCH=%s ignored (expected l1 or l2)\n", e);
+    }
 #if defined(__unix__) && defined(_SC_LEVEL1_DCACHE_SIZE)
-  static const bool small_l1 = [] {
     const long bytes = sysconf(_SC_LEVEL1_DCACHE_SIZE);
     return bytes > 0 && bytes <= 32 * 1024;
-  }();
-  return small_l1;
 #else
-  return false;
+    return false;
 #endif
+  }();
+  return into_l2;
 }
 
 /// Asks for every 64-byte line of [p, p + bytes) at once (Hint: 3 into L1, 2

@@ -9,23 +9,6 @@
 
 #include "lynx/backend/host/prefetch.hpp"
 
-#if defined(__unix__)
-#include <unistd.h>
-#endif
-
-namespace {
-
-bool small_l1() {
-#if defined(__unix__) && defined(_SC_LEVEL1_DCACHE_SIZE)
-  const long bytes = sysconf(_SC_LEVEL1_DCACHE_SIZE);
-  return bytes > 0 && bytes <= 32 * 1024;
-#else
-  return false;
-#endif
-}
-
-}  // namespace
-
 TEST_CASE("LYNX_PREFETCH chooses the prefetch level; otherwise the L1 size does") {
   const char* e = std::getenv("LYNX_PREFETCH");
   const std::string v = e != nullptr ? e : "";
@@ -36,7 +19,7 @@ TEST_CASE("LYNX_PREFETCH chooses the prefetch level; otherwise the L1 size does"
   } else if (v == "l2" || v == "L2") {
     CHECK(l2);
   } else {
-    CHECK(l2 == small_l1());  // unset, empty or refused: the L1 size decides
+    CHECK(l2 == lynx::detail::small_l1_data_cache());  // unset, empty or refused: the L1 size
     MESSAGE("LYNX_PREFETCH='" << v << "': " << (l2 ? "l2" : "l1") << " (L1 size)");
   }
 }

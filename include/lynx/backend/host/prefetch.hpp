@@ -18,6 +18,20 @@
 
 namespace lynx::detail {
 
+/// Whether this CPU's L1 data cache holds 32 KiB or less (false where it cannot
+/// be read): prefetch_into_l2's default.
+inline bool small_l1_data_cache() {
+#if defined(__unix__) && defined(_SC_LEVEL1_DCACHE_SIZE)
+  static const bool small = [] {
+    const long bytes = sysconf(_SC_LEVEL1_DCACHE_SIZE);
+    return bytes > 0 && bytes <= 32 * 1024;
+  }();
+  return small;
+#else
+  return false;
+#endif
+}
+
 /// Whether the prefetches that run a split or an item ahead of a kernel (the
 /// attention walks, encode's next rows) ask into L2 rather than L1: by default on
 /// CPUs whose L1 data cache holds 32 KiB or less. A split's walk covers up to
@@ -28,8 +42,8 @@ namespace lynx::detail {
 /// first tuned on (two full-width AVX-512 FMA pipes, so a core with a 48 KiB
 /// L1) they made all of 8 = 4 + 4 slower, 5.4 -> 7.3 ms. On a third machine, an
 /// Intel Xeon with AVX-512, AMX and a 48 KiB L1 and 2 MiB L2 per core, L2 was the
-/// better level again (min of 5 alternating rounds: all of 8 = 4 + 4 10.3 -> 9.3
-/// ms, all of 16 = 4 + 12 17.8 -> 16.9 ms, the anchor unchanged), so the L1 size
+/// better level again (min of 6 alternating rounds: all of 8 = 4 + 4 9.72 -> 9.06
+/// ms, all of 16 = 4 + 12 17.5 -> 16.5 ms, the anchor unchanged), so the L1 size
 /// alone does not decide it.
 /// LYNX_PREFETCH=l1 or LYNX_PREFETCH=l2 in the environment overrides the choice
 /// (read once per process); any other value is reported on stderr and ignored.
@@ -41,12 +55,7 @@ inline bool prefetch_into_l2() {
       if (std::strcmp(e, "l2") == 0 || std::strcmp(e, "L2") == 0) return true;
       std::fprintf(stderr, "lynx: LYNX_PREFETCH=%s ignored (expected l1 or l2)\n", e);
     }
-#if defined(__unix__) && defined(_SC_LEVEL1_DCACHE_SIZE)
-    const long bytes = sysconf(_SC_LEVEL1_DCACHE_SIZE);
-    return bytes > 0 && bytes <= 32 * 1024;
-#else
-    return false;
-#endif
+    return small_l1_data_cache();
   }();
   return into_l2;
 }

@@ -30,6 +30,8 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <functional>
+#include <string>
 
 namespace {
 
@@ -42,9 +44,9 @@ bool cpu_has_mix() {
          __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("gfni");
 }
 
-// zmm0-7: the 8 sums; zmm30: the broadcast query or weight; zmm16-19: codes as
-// floats; zmm8-15: transposed plane bytes; zmm20-27: plane words and unpacks;
-// zmm28, zmm29: permute index and GF2P8AFFINEQB matrix; k1: the zero-extend mask.
+// zmm0-7: the 8 sums; zmm30: the broadcast query or weight; zmm16, zmm17: picked
+// codes; zmm18, zmm19: codes as floats; zmm8-15: transposed plane bytes; zmm20-27: plane words and
+// unpacks; zmm28, zmm29: permute index and GF2P8AFFINEQB matrix; k1: the zero-extend mask.
 #define LYNX_FMA8(x, y)                                              \
   "vfmadd231ps %%zmm" #x ", %%zmm30, %%zmm0\n\tvfmadd231ps %%zmm" #y \
   ", %%zmm30, %%zmm1\n\t"                                            \
@@ -159,11 +161,18 @@ void run_values(std::int64_t) {}
 
 #endif
 
-// ns per step of each mix, from the last (reported) call of its benchmark
-double ns_per_step[4] = {0.0, 0.0, 0.0, 0.0};
+// The mixes, in the order of the table; the first is the baseline of the others.
+struct mix {
+  const char* name;
+  void (*run)(std::int64_t loops);
+  double ns_per_step;  // from the last (reported) call of its benchmark
+};
+mix mixes[] = {{"fma", run_fma, 0.0},
+               {"scores_anchor", run_scores, 0.0},
+               {"values_anchor", run_values, 0.0},
+               {"one_op", run_one_op, 0.0}};
 
-template <int Mix, void (*Run)(std::int64_t)>
-void bm_mix(benchmark::State& state) {
+void bm_mix(benchmark::State& state, mix& m) {
   if (!cpu_has_mix()) {
     state.SkipWithError("needs x86-64 with AVX-512 F, BW, VBMI and GFNI");
     return;
@@ -171,35 +180,32 @@ void bm_mix(benchmark::State& state) {
   constexpr std::int64_t loops = 1 << 14;
   setup_registers();
   const auto start = std::chrono::steady_clock::now();
-  for (auto _ : state) Run(loops);
+  for (auto _ : state) m.run(loops);
   const std::chrono::duration<double, std::nano> elapsed = std::chrono::steady_clock::now() - start;
   const double steps = static_cast<double>(state.iterations()) * loops * steps_per_loop;
   state.SetItemsProcessed(static_cast<std::int64_t>(steps));
-  ns_per_step[Mix] = elapsed.count() / steps;
-  state.counters["ns_per_step"] = ns_per_step[Mix];
+  m.ns_per_step = elapsed.count() / steps;
+  state.counters["ns_per_step"] = m.ns_per_step;
 }
 
 }  // namespace
 
-BENCHMARK(bm_mix<0, run_fma>)->Name("mix/fma")->UseRealTime();
-BENCHMARK(bm_mix<1, run_scores>)->Name("mix/scores_anchor")->UseRealTime();
-BENCHMARK(bm_mix<2, run_values>)->Name("mix/values_anchor")->UseRealTime();
-BENCHMARK(bm_mix<3, run_one_op>)->Name("mix/one_op")->UseRealTime();
-
 int main(int argc, char** argv) {
+  for (mix& m : mixes)
+    benchmark::RegisterBenchmark((std::string("mix/") + m.name).c_str(), bm_mix, std::ref(m))
+        ->UseRealTime();
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
-  if (ns_per_step[0] <= 0.0) return 0;
+  const double base = mixes[0].ns_per_step;
+  if (base <= 0.0) return 0;
   std::printf(
       "\nInstruction mixes per step (8 FMAs: one channel x 32 tokens x 4 heads for the "
       "scores, one token pair x 16 channels x 4 heads for the values)\n");
   std::printf("%-16s %10s %10s\n", "mix", "ns/step", "x fma");
-  const char* names[4] = {"fma", "scores_anchor", "values_anchor", "one_op"};
-  for (int m = 0; m < 4; ++m)
-    if (ns_per_step[m] > 0.0)
-      std::printf("%-16s %10.3f %9.2fx\n", names[m], ns_per_step[m],
-                  ns_per_step[m] / ns_per_step[0]);
+  for (const mix& m : mixes)
+    if (m.ns_per_step > 0.0)
+      std::printf("%-16s %10.3f %9.2fx\n", m.name, m.ns_per_step, m.ns_per_step / base);
   return 0;
 }

@@ -19,14 +19,11 @@
 namespace lynx::detail {
 
 /// Whether this CPU's L1 data cache holds 32 KiB or less (false where it cannot
-/// be read): prefetch_into_l2's default.
+/// be read): prefetch_into_l2's default, which keeps the answer.
 inline bool small_l1_data_cache() {
 #if defined(__unix__) && defined(_SC_LEVEL1_DCACHE_SIZE)
-  static const bool small = [] {
-    const long bytes = sysconf(_SC_LEVEL1_DCACHE_SIZE);
-    return bytes > 0 && bytes <= 32 * 1024;
-  }();
-  return small;
+  const long bytes = sysconf(_SC_LEVEL1_DCACHE_SIZE);
+  return bytes > 0 && bytes <= 32 * 1024;
 #else
   return false;
 #endif

@@ -218,14 +218,16 @@ namespace detail {
 // with keys/values [tokens, n_kv_heads, head_dim]; `scores` has room for all
 // tokens. Prefill and the default policy both use this, so a token gets the
 // same bits whether it was in the prompt or decoded.
+// ScoreDot computes q . k over head_dim (the default: a sequential sum).
 struct kv_range {
   const float* keys;
   const float* values;
   int tokens;
 };
 
-inline void exact_attend(std::span<const kv_range> ranges, const float* q, float* out, int n_heads,
-                         int kv_group, int head_dim, int token_stride, float* scores) {
+template <float (*ScoreDot)(const float*, const float*, int) = head_dot>
+void exact_attend(std::span<const kv_range> ranges, const float* q, float* out, int n_heads,
+                  int kv_group, int head_dim, int token_stride, float* scores) {
   const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
   for (int h = 0; h < n_heads; ++h) {
     const float* qh = q + static_cast<std::ptrdiff_t>(h) * head_dim;
@@ -236,7 +238,7 @@ inline void exact_attend(std::span<const kv_range> ranges, const float* q, float
     for (const kv_range& r : ranges)
       for (int t = 0; t < r.tokens; ++t) {
         const float s =
-            head_dot(qh, r.keys + static_cast<std::ptrdiff_t>(t) * token_stride + kv_offset,
+            ScoreDot(qh, r.keys + static_cast<std::ptrdiff_t>(t) * token_stride + kv_offset,
                      head_dim) *
             scale;
         scores[n++] = s;

@@ -46,6 +46,55 @@ inline void exact_attend(std::span<const kv_range> ranges, const float* q, float
                                      scores);
 }
 
+/// RMSNorm as the reference computes it: the sum of squares in double, in
+/// order; out = (x * (1 / sqrt(mean + eps))) * w.
+inline void rmsnorm(float* out, const float* x, const float* w, int n, float eps) {
+  double ss = 0.0;
+  for (int i = 0; i < n; ++i) ss += static_cast<double>(x[i]) * static_cast<double>(x[i]);
+  const float mean = static_cast<float>(ss / static_cast<double>(n));
+  const float scale = 1.0f / std::sqrt(mean + eps);
+  for (int i = 0; i < n; ++i) out[i] = (x[i] * scale) * w[i];
+}
+
+inline float gelu_tanh(float x) {
+  constexpr float sqrt_2_over_pi = 0.7978845608028654f;
+  return 0.5f * x * (1.0f + std::tanh(sqrt_2_over_pi * x * (1.0f + 0.044715f * x * x)));
+}
+
+/// out[t, r] = dot(row r of w, in[t, :]) for t < tokens: out [tokens, w.rows],
+/// in [tokens, w.cols]. Rows are dequantized a block at a time into per-thread
+/// scratch and reused for every token; threads take disjoint row blocks.
+inline void matmul(float* out, const float* in, const matrix& w, int tokens, int threads,
+                   std::vector<float>& scratch) {
+  constexpr int block_rows = 16;
+  const int blocks = (w.rows + block_rows - 1) / block_rows;
+  if (threads <= 0) threads = lynx::detail::hardware_threads();
+  // Small products are not worth a thread (the split never changes a result).
+  const std::int64_t work = static_cast<std::int64_t>(w.rows) * w.cols * tokens;
+  if (work < (std::int64_t{1} << 18)) threads = 1;
+  threads = std::min(threads, blocks);
+  const std::size_t per_thread = static_cast<std::size_t>(block_rows) * w.cols;
+  if (scratch.size() < per_thread * threads) scratch.resize(per_thread * threads);
+  lynx::detail::parallel_for(threads, threads, [&](std::int64_t w0, std::int64_t w1) {
+    for (std::int64_t worker = w0; worker < w1; ++worker) {
+      float* rows = scratch.data() + per_thread * static_cast<std::size_t>(worker);
+      const int b0 = static_cast<int>(blocks * worker / threads),
+                b1 = static_cast<int>(blocks * (worker + 1) / threads);
+      for (int b = b0; b < b1; ++b) {
+        const int r0 = b * block_rows, rn = std::min(block_rows, w.rows - r0);
+        for (int r = 0; r < rn; ++r)
+          w.dequantize_row(r0 + r, rows + static_cast<std::size_t>(r) * w.cols);
+        for (int t = 0; t < tokens; ++t) {
+          const float* x = in + static_cast<std::ptrdiff_t>(t) * w.cols;
+          float* o = out + static_cast<std::ptrdiff_t>(t) * w.rows + r0;
+          for (int r = 0; r < rn; ++r)
+            o[r] = dot(rows + static_cast<std::size_t>(r) * w.cols, x, w.cols);
+        }
+      }
+    }
+  });
+}
+
 }  // namespace detail
 
 // ---------------------------------------------------------------------------

@@ -9,15 +9,18 @@
 //     (counter x_step: weights are read once for the k tokens);
 //   - bytes on the wire for a 4K and a 32K prompt, whole prompt on every layer
 //     vs window-aware (local layers ship their last window - 1 tokens), per plan.
-// Needs the model (cmake/fetch_gemma3.sh, or LYNX_GEMMA3_GGUF); without it
-// every benchmark reports an error and exits.
+//   bench_gemma3 [--model FILE.gguf] [Google Benchmark flags]
+// Needs the model (--model, LYNX_GEMMA3_GGUF, or cmake/fetch_gemma3.sh's cache);
+// without it every benchmark reports an error.
 #include <benchmark/benchmark.h>
 
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <memory>
 #include <optional>
 #include <random>
+#include <string_view>
 #include <vector>
 
 #include "gemma3/forward.hpp"
@@ -170,8 +173,9 @@ void BM_window_bytes(benchmark::State& state) {
 
 }  // namespace
 
-BENCHMARK(BM_prefill)->Arg(1024)->Iterations(1)->Unit(benchmark::kMillisecond);
-BENCHMARK(BM_exact_step)->Unit(benchmark::kMillisecond)->MinTime(1.0);
+// Wall time: the matrix products run on every hardware thread.
+BENCHMARK(BM_prefill)->Arg(1024)->Iterations(1)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_exact_step)->Unit(benchmark::kMillisecond)->MinTime(1.0)->UseRealTime();
 BENCHMARK(BM_lynx_forward)
     ->ArgNames({"level", "k"})
     ->Args({1, 1})
@@ -180,6 +184,30 @@ BENCHMARK(BM_lynx_forward)
     ->Args({2, 8})
     ->Args({2, 16})
     ->Unit(benchmark::kMillisecond)
-    ->MinTime(1.0);
+    ->MinTime(1.0)
+    ->UseRealTime();
 BENCHMARK_TEMPLATE(BM_window_bytes, lynx::plan_8_4_4)->Arg(4096)->Arg(32768)->Iterations(1);
 BENCHMARK_TEMPLATE(BM_window_bytes, lynx::plan_16_4_12)->Arg(4096)->Arg(32768)->Iterations(1);
+
+// --model FILE.gguf (a copy the user already has) is taken out of the arguments
+// before Google Benchmark reads them; without it the model is looked for as
+// g3::default_model_path() says (LYNX_GEMMA3_GGUF, then the fetch script's cache).
+int main(int argc, char** argv) {
+  std::vector<char*> args;
+  for (int i = 0; i < argc; ++i) {
+    const std::string_view a = argv[i];
+    if (a == "--model" && i + 1 < argc) {
+      ::setenv("LYNX_GEMMA3_GGUF", argv[++i], 1);
+    } else if (a.starts_with("--model=")) {
+      ::setenv("LYNX_GEMMA3_GGUF", argv[i] + 8, 1);
+    } else {
+      args.push_back(argv[i]);
+    }
+  }
+  int n = static_cast<int>(args.size());
+  benchmark::Initialize(&n, args.data());
+  if (benchmark::ReportUnrecognizedArguments(n, args.data())) return 1;
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

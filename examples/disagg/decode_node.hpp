@@ -13,7 +13,10 @@
 // reported and ignored; duplicates are idempotent. When the last stream of
 // every layer has landed, a helper thread merges the layers into codes
 // (lynx::background_merge) and the engine reads each layer's codes as soon as
-// they are made: the same bits as its planes, less work per decode step.
+// they are made: the same bits as its planes, less work per decode step (an
+// engine that can: llama2.c's; the Gemma-3 engine reads the planes).
+// Any model family of disagg/family.hpp; greedy or speculative sampling
+// (decode_node_options::verifier).
 #pragma once
 
 #include <algorithm>
@@ -43,8 +46,10 @@ struct decode_node_options {
   int max_draft = 8;
   lynx::failure_options failure;
   lynx::request_deadlines deadlines;
-  bool merge_codes = true;  // merge the complete prompt into codes on a helper thread
-  int merge_threads = 1;    // threads of that merge (<= 0: every hardware thread)
+  bool merge_codes = true;      // merge the complete prompt into codes on a helper thread (for an
+                                // engine that reads codes: llama2.c's)
+  int merge_threads = 1;        // threads of that merge (<= 0: every hardware thread)
+  request_verifier verifier{};  // greedy unless a temperature is set
 };
 
 /// A segment (or preamble) the decode node refused, and why.
@@ -100,26 +105,33 @@ struct decode_node_hooks {
 };
 
 /// Runs the decode node's side of one request whose prompt has `prompt_tokens`
-/// tokens, reading from `receiver` (already connected).
-template <lynx::stream_plan_type Plan, lynx::segment_receiver Receiver>
-decode_result run_decode_node(const ll::weights& w, int prompt_tokens, Receiver& receiver,
+/// tokens, reading from `receiver` (already connected), on the model family of
+/// `w` (disagg/family.hpp).
+template <lynx::stream_plan_type Plan, lynx::segment_receiver Receiver, class Weights>
+decode_result run_decode_node(const Weights& w, int prompt_tokens, Receiver& receiver,
                               const decode_node_options& o,
                               const decode_node_hooks<Receiver>& hooks = {}) {
   using clock = std::chrono::steady_clock;
   static_assert(std::is_same_v<typename Receiver::clock, clock>,
                 "run_decode_node: a wall-clock transport");
   using time_point = clock::time_point;
-  const int layers = w.cfg().n_layers;
+  using F = family<Weights>;
+  using engine_type = typename F::template decode_engine<Plan>;
+  // Only an engine that can read merged codes gets a merge (llama2.c's); the others read planes.
+  constexpr bool reads_codes = requires(engine_type & e, const lynx::background_merge<Plan>* m) {
+    e.use_codes(m);
+  };
+  const int layers = F::layers(w);
   const time_point start = clock::now();
 
   decode_result res;
   res.tl.name = "Lynx " + Plan::name();
-  auto tensors = ll::make_prompt_tensors<Plan>(w.cfg(), prompt_tokens, o.generation);
-  ll::lynx_decode_engine<Plan> engine(w, tensors, prompt_tokens);
+  auto tensors = F::template make_tensors<Plan>(w, prompt_tokens, o.generation);
+  engine_type engine(w, tensors, prompt_tokens);
   lynx::session_options so;
   so.max_draft = o.max_draft;
   so.max_new_tokens = o.committed_tokens;
-  using session_type = lynx::progressive_session<ll::lynx_decode_engine<Plan>>;
+  using session_type = lynx::progressive_session<engine_type, request_verifier>;
   std::optional<session_type> session;
   // Declared after the tensors and the engine: destroyed (stopped, joined) before them.
   std::optional<lynx::background_merge<Plan>> merge;
@@ -152,17 +164,18 @@ decode_result run_decode_node(const ll::weights& w, int prompt_tokens, Receiver&
     level = l;
     if (level == Plan::streams) {
       link_done = true;
-      if (o.merge_codes) {
-        merge.emplace(std::span<const lynx::bitplane_tensor<Plan>>(tensors), o.merge_threads);
-        engine.use_codes(&*merge);
+      if constexpr (reads_codes) {
+        if (o.merge_codes) {
+          merge.emplace(std::span<const lynx::bitplane_tensor<Plan>>(tensors), o.merge_threads);
+          engine.use_codes(&*merge);
+        }
       }
     }
     if (session && !session->unverified()) session->set_available_level(level);
   };
 
   auto start_session = [&] {
-    session.emplace(engine, lynx::greedy_verifier{}, Plan::streams, prompt_tokens,
-                    preamble->first_token, so);
+    session.emplace(engine, o.verifier, Plan::streams, prompt_tokens, preamble->first_token, so);
     session->on_commit_event([&](const lynx::committed_token& t) {
       res.commits.push_back(t);
       if (hooks.on_commit) hooks.on_commit(t);
@@ -339,6 +352,7 @@ decode_result run_decode_node(const ll::weights& w, int prompt_tokens, Receiver&
       continue;
     }
     const std::size_t before = session->committed().size();
+    res.tl.step_levels.push_back(session->available_level());
     const lynx::step_result step = session->step();
     const time_point now = clock::now();
     if (step.kind == lynx::step_kind::idle) {
@@ -387,16 +401,18 @@ decode_result run_decode_node(const ll::weights& w, int prompt_tokens, Receiver&
   res.tl.first_committed = at(have_first_committed, first_committed);
   res.tl.all_committed = at(session && session->finished(), all_committed);
   res.level = level;
-  if (merge) {
-    if (merge->done() && !merge->failed() && merge->ready() == merge->size()) {
-      res.codes_ready = at(true, merge->finished_at());
-      res.merge_seconds = std::chrono::duration<double>(merge->elapsed()).count();
+  if constexpr (reads_codes) {
+    if (merge) {
+      if (merge->done() && !merge->failed() && merge->ready() == merge->size()) {
+        res.codes_ready = at(true, merge->finished_at());
+        res.merge_seconds = std::chrono::duration<double>(merge->elapsed()).count();
+      }
+      engine.use_codes(static_cast<const lynx::background_merge<Plan>*>(nullptr));
+      merge.reset();  // stops a merge still running
     }
-    engine.use_codes(static_cast<const lynx::background_merge<Plan>*>(nullptr));
-    merge.reset();  // stops a merge still running
+    res.full_level_on_codes = engine.inner().attention().full_level_on_codes;
+    res.full_level_on_planes = engine.inner().attention().full_level_on_planes;
   }
-  res.full_level_on_codes = engine.inner().attention().full_level_on_codes;
-  res.full_level_on_planes = engine.inner().attention().full_level_on_planes;
   if (session) {
     res.tl.tokens.assign(session->committed().begin(), session->committed().end());
     res.stats = session->stats();
@@ -410,28 +426,35 @@ decode_result run_decode_node(const ll::weights& w, int prompt_tokens, Receiver&
   return res;
 }
 
-/// The tokens of plain greedy decoding (no speculation) over the prompt KV of
-/// `prompt` quantized by Plan and read at `level` on every layer (Plan::streams:
-/// all planes, the exactness reference; 1: the anchor alone): `count` tokens,
-/// the prefill's own first. Computed locally, for checking a decode node.
-template <lynx::stream_plan_type Plan>
-std::vector<int> plain_greedy_reference(const ll::weights& w, const std::vector<int>& prompt,
-                                        int count, int level = Plan::streams) {
-  ll::engine<> prefill(w);
-  const int first = ll::argmax(prefill.prefill(prompt));
-  const auto encoded = ll::encode_prompt<Plan>(prefill);
-  auto tensors = ll::make_prompt_tensors<Plan>(w.cfg(), static_cast<int>(prompt.size()));
-  for (std::size_t l = 0; l < encoded.size(); ++l)
-    for (int s = 0; s < Plan::streams; ++s) (void)tensors[l].accept(encoded[l].segment(s));
-  ll::lynx_decode_engine<Plan> e(w, tensors, static_cast<int>(prompt.size()));
-  std::vector<int> out{first};
-  std::vector<float> row(static_cast<std::size_t>(w.cfg().vocab_size));
+/// The tokens of plain decoding (no speculation) over the prompt KV of `prompt`
+/// quantized by Plan and read at `level` on every layer (Plan::streams: all
+/// planes, the exactness reference; 1: the anchor alone): `count` tokens, the
+/// prefill's own first, each chosen by `verifier`'s decide() (greedy, or
+/// sampling with the draw of its position). Computed locally, for checking a
+/// decode node.
+template <lynx::stream_plan_type Plan, class Weights>
+std::vector<int> plain_reference(const Weights& w, const std::vector<int>& prompt, int count,
+                                 int level, request_verifier verifier) {
+  const prefill_result<Weights> pre = run_prefill(w, prompt, verifier);
+  const auto tensors = received_locally<Plan>(w, pre.node);
+  typename family<Weights>::template decode_engine<Plan> e(w, tensors,
+                                                           static_cast<int>(prompt.size()));
+  std::vector<int> out{pre.first_token};
+  std::vector<float> row(static_cast<std::size_t>(family<Weights>::vocab(w)));
   while (static_cast<int>(out.size()) < count) {
     const int t = out.back();
-    e.forward({&t, 1}, static_cast<std::int64_t>(prompt.size() + out.size() - 1), level, row);
-    out.push_back(ll::argmax(row));
+    const auto position = static_cast<std::int64_t>(prompt.size() + out.size());
+    e.forward({&t, 1}, position - 1, level, row);
+    out.push_back(verifier.decide(row, position));
   }
   return out;
+}
+
+/// plain_reference with greedy decoding.
+template <lynx::stream_plan_type Plan, class Weights>
+std::vector<int> plain_greedy_reference(const Weights& w, const std::vector<int>& prompt, int count,
+                                        int level = Plan::streams) {
+  return plain_reference<Plan>(w, prompt, count, level, {});
 }
 
 }  // namespace lynx_examples::disagg

@@ -46,10 +46,13 @@ struct prefill_report {
   std::string error;
 };
 
-/// Runs the prefill node's side of one request over `sender`.
-template <lynx::stream_plan_type Plan, lynx::segment_sender Sender>
-prefill_report run_prefill_node(Sender& sender, const ll::weights& w, std::vector<int> prompt,
-                                const prefill_node_options<Sender>& o) {
+/// Runs the prefill node's side of one request over `sender`, on the model
+/// family of `w` (disagg/family.hpp); the first token is `verifier`'s choice.
+template <lynx::stream_plan_type Plan, lynx::segment_sender Sender, class Weights>
+prefill_report run_prefill_node(Sender& sender, const Weights& w, std::vector<int> prompt,
+                                const prefill_node_options<Sender>& o,
+                                const request_verifier& verifier = {}) {
+  using F = family<Weights>;
   static_assert(std::is_same_v<typename Sender::clock, std::chrono::steady_clock>,
                 "run_prefill_node: a wall-clock transport");
   using clock = std::chrono::steady_clock;
@@ -58,11 +61,10 @@ prefill_report run_prefill_node(Sender& sender, const ll::weights& w, std::vecto
   auto since = [&](clock::time_point t) { return std::chrono::duration<double>(t - t0).count(); };
   prefill_report report;
 
-  const prefill_result pre = run_prefill(w, std::move(prompt));
+  const prefill_result<Weights> pre = run_prefill(w, std::move(prompt), verifier);
   report.prefill_done = since(clock::now());  // the engine's setup included, not only pre.seconds
   report.first_token = pre.first_token;
-  const ll::kv_cache& cache = pre.node.cache();
-  const int layers = w.cfg().n_layers;
+  const int layers = F::layers(w);
   const int prompt_tokens = static_cast<int>(pre.prompt.size());
 
   request_preamble p;
@@ -99,16 +101,15 @@ prefill_report run_prefill_node(Sender& sender, const ll::weights& w, std::vecto
     if (o.on_final) o.on_final(r);
   });
 
-  const lynx::kv_shape shape{prompt_tokens, cache.n_kv_heads(), cache.head_dim()};
   std::vector<lynx::encoded_layer<Plan>> stale, encoded;
   for (int l = 0; l < o.stale_anchor_layers && l < layers; ++l) {
     // Layer l's header over layer l+1's data: if it were ever applied, the tokens would change.
     const int source = (l + 1) % layers;
     lynx::encode_options eo{o.generation - 1, 1};
+    const auto kv = F::shipped(pre.node, source);
     stale.push_back(lynx::encode<Plan, 32, float>(
-        lynx::token_major<const float>(cache.prompt_keys(source).data(), shape),
-        lynx::token_major<const float>(cache.prompt_values(source).data(), shape),
-        static_cast<std::uint32_t>(l), eo));
+        lynx::token_major<const float>(kv.keys, kv.shape),
+        lynx::token_major<const float>(kv.values, kv.shape), static_cast<std::uint32_t>(l), eo));
     scheduler.submit(stale.back().segment(0));
     report.bytes_sent += stale.back().segment(0).size();
   }
@@ -117,10 +118,7 @@ prefill_report run_prefill_node(Sender& sender, const ll::weights& w, std::vecto
     lynx::encode_options eo;
     eo.generation = o.generation;
     eo.threads = o.encode_threads;
-    encoded.push_back(lynx::encode<Plan, 32, float>(
-        lynx::token_major<const float>(cache.prompt_keys(l).data(), shape),
-        lynx::token_major<const float>(cache.prompt_values(l).data(), shape),
-        static_cast<std::uint32_t>(l), eo));
+    encoded.push_back(encode_layer<Plan>(pre.node, l, eo));
     for (int s = 0; s < Plan::streams; ++s) {
       if (!wanted(static_cast<std::uint32_t>(l), s)) continue;
       scheduler.submit(encoded.back().segment(s));

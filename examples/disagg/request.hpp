@@ -7,26 +7,68 @@
 // decode forward) is measured on this machine with a steady clock and added to
 // the virtual time, so the timeline is the link's exact arithmetic plus real
 // compute costs.
+//
+// Any model family of disagg/family.hpp (llama2.c, Gemma-3 GGUF): the weights'
+// type picks it. Greedy decoding at temperature 0, speculative sampling above
+// (request_verifier).
 #pragma once
 
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <limits>
+#include <span>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
-#include "llama2c/llama2c.hpp"
-#include "llama2c/lynx_engine.hpp"
+#include "disagg/family.hpp"
 #include "lynx/planes/codec.hpp"
 #include "lynx/speculation/session.hpp"
+#include "lynx/speculation/verifier.hpp"
 #include "lynx/transport/scheduler.hpp"
 #include "lynx/transport/simulated_link.hpp"
 
 namespace lynx_examples::disagg {
 
-namespace ll = lynx_examples::llama2c;
+/// The verifier of every run of a request, chosen at run time so that one
+/// instantiation serves both: greedy (lynx::greedy_verifier) at temperature 0,
+/// speculative sampling (lynx::sampling_verifier, counter-based draws of
+/// (seed, purpose, position, round)) above it. Blocking runs and the prefill
+/// node's own token choose with decide(row, position), the draw a Lynx
+/// session's exact steps take too; drafts, acceptance tests and resampling
+/// take draws of their own, so at T > 0 a session's tokens follow the target
+/// distribution without repeating blocking sampling's draws.
+struct request_verifier {
+  using verifier_tag = void;
+  static constexpr bool needs_draft_rows = true;  // sampling needs q; greedy ignores the rows
+
+  lynx::sampling_verifier sampling{0.0f, {}};  // temperature 0: greedy
+
+  static request_verifier at(float temperature, std::uint64_t seed) {
+    request_verifier v;
+    v.sampling.temperature = temperature;
+    v.sampling.rng.seed = seed;
+    return v;
+  }
+  [[nodiscard]] bool greedy() const { return !(sampling.temperature > 0.0f); }
+
+  std::int32_t draft(std::span<const float> row, std::int64_t position) {
+    return greedy() ? lynx::argmax_token(row) : sampling.draft(row, position);
+  }
+  std::int32_t decide(std::span<const float> row, std::int64_t position) {
+    return greedy() ? lynx::argmax_token(row) : sampling.decide(row, position);
+  }
+  lynx::verify_outcome verify(std::span<const std::int32_t> drafts,
+                              std::span<const float> draft_rows, std::span<const float> target_rows,
+                              std::int64_t vocab, std::int64_t first_position, int level) {
+    return greedy()
+               ? lynx::greedy_verifier{}.verify(drafts, draft_rows, target_rows, vocab,
+                                                first_position, level)
+               : sampling.verify(drafts, draft_rows, target_rows, vocab, first_position, level);
+  }
+};
+static_assert(lynx::verifier_policy<request_verifier>);
 
 struct link_config {
   double gbit_per_s = 0.01;  // link bandwidth
@@ -40,6 +82,7 @@ struct request_config {
   int committed_tokens = 64;  // tokens after the prompt, the prefill's own included
   int max_draft = 8;
   int encode_threads = 1;
+  request_verifier verifier{};  // greedy unless a temperature is set
 };
 
 /// Timeline of one request, seconds from the request's arrival at the prefill node.
@@ -50,27 +93,33 @@ struct timeline {
          residual_landed = -1, verification_done = -1, first_committed = -1, all_committed = -1;
   std::int64_t verified_drafts = 0, accepted_drafts = 0;
   std::uint64_t bytes_sent = 0;
-  std::vector<int> tokens;  // committed tokens
+  std::vector<int> tokens;       // committed tokens
+  std::vector<int> step_levels;  // Lynx runs: the level available at each session step (a replay)
 };
 
 /// The prefill node's result, shared by every variant of a request.
+template <class Weights>
 struct prefill_result {
   std::vector<int> prompt;
   int first_token = 0;
   double seconds = 0;  // measured prefill compute
-  ll::engine<> node;
-  explicit prefill_result(const ll::weights& w) : node(w) {}
+  prefill_engine_of<Weights> node;
+  explicit prefill_result(const Weights& w) : node(w) {}
 };
 
 inline double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-inline prefill_result run_prefill(const ll::weights& w, std::vector<int> prompt) {
-  prefill_result r(w);
+/// Prefills `prompt`; the first token is the verifier's choice at position prompt.size().
+template <class Weights>
+prefill_result<Weights> run_prefill(const Weights& w, std::vector<int> prompt,
+                                    request_verifier verifier = {}) {
+  prefill_result<Weights> r(w);
   r.prompt = std::move(prompt);
   const auto t0 = std::chrono::steady_clock::now();
-  r.first_token = ll::argmax(r.node.prefill(r.prompt));
+  r.first_token =
+      verifier.decide(r.node.prefill(r.prompt), static_cast<std::int64_t>(r.prompt.size()));
   r.seconds = seconds_since(t0);
   return r;
 }
@@ -86,20 +135,38 @@ inline lynx::simulated_link_options link_options(const link_config& c) {
                       : lynx::simulated_link_options::one_lane(bps, latency);
 }
 
+/// The prompt as a decode node holds it once every stream has landed: each layer
+/// of the prefill node's engine encoded and accepted into its receiver tensor.
+template <lynx::stream_plan_type Plan, class Weights>
+typename family<Weights>::template tensors<Plan> received_locally(
+    const Weights& w, const prefill_engine_of<Weights>& node) {
+  const int prompt_tokens = node.cache().prompt_length();
+  auto tensors = family<Weights>::template make_tensors<Plan>(w, prompt_tokens, 0);
+  for (int l = 0; l < family<Weights>::layers(w); ++l) {
+    const auto encoded = encode_layer<Plan>(node, l);
+    for (int s = 0; s < Plan::streams; ++s)
+      (void)tensors[static_cast<std::size_t>(l)].accept(encoded.segment(s));
+  }
+  return tensors;
+}
+
 /// Sends `streams_sent` streams of `Plan` (all of them for Lynx and blocking 8-bit,
 /// only the anchor for blocking 4-bit) and decodes with a session whose target is
 /// the highest level sent. With one stream sent, the session decodes exactly at
-/// that level as soon as the whole cache has landed: the blocking baseline.
-template <lynx::stream_plan_type Plan>
-timeline run_request(const ll::weights& w, const prefill_result& pre, const request_config& cfg,
-                     int streams_sent, std::string name) {
+/// that level as soon as the whole cache has landed: the blocking baseline; so
+/// does it with decode_when_complete (a blocking transfer of every stream).
+template <lynx::stream_plan_type Plan, class Weights>
+timeline run_request(const Weights& w, const prefill_result<Weights>& pre,
+                     const request_config& cfg, int streams_sent, std::string name,
+                     bool decode_when_complete = false) {
+  using F = family<Weights>;
   if (streams_sent < 1 || streams_sent > Plan::streams)
     throw std::invalid_argument("run_request: streams_sent out of range");
   timeline tl;
   tl.name = std::move(name);
   tl.prefill_done = pre.seconds;
   const int prompt_tokens = static_cast<int>(pre.prompt.size());
-  const int layers = w.cfg().n_layers;
+  const int layers = F::layers(w);
 
   lynx::simulated_link link(link_options(cfg.link));
   lynx::stream_scheduler scheduler(link.sender(),
@@ -111,14 +178,9 @@ timeline run_request(const ll::weights& w, const prefill_result& pre, const requ
   std::vector<lynx::encoded_layer<Plan>> encoded;
   encoded.reserve(static_cast<std::size_t>(layers));
   double t = pre.seconds;
-  const ll::kv_cache& cache = pre.node.cache();
-  const lynx::kv_shape shape{prompt_tokens, cache.n_kv_heads(), cache.head_dim()};
   for (int l = 0; l < layers; ++l) {
     const auto t0 = std::chrono::steady_clock::now();
-    encoded.push_back(lynx::encode<Plan, 32, float>(
-        lynx::token_major<const float>(cache.prompt_keys(l).data(), shape),
-        lynx::token_major<const float>(cache.prompt_values(l).data(), shape),
-        static_cast<std::uint32_t>(l), {0, cfg.encode_threads}));
+    encoded.push_back(encode_layer<Plan>(pre.node, l, {0, cfg.encode_threads}));
     t += seconds_since(t0);
     link.advance_to(lynx::virtual_time(virtual_seconds(t)));
     for (int s = 0; s < streams_sent; ++s) {
@@ -130,12 +192,12 @@ timeline run_request(const ll::weights& w, const prefill_result& pre, const requ
   tl.encode_done = t;
 
   // Decode node.
-  auto tensors = ll::make_prompt_tensors<Plan>(w.cfg(), prompt_tokens);
-  ll::lynx_decode_engine<Plan> engine(w, tensors, prompt_tokens);
+  auto tensors = F::template make_tensors<Plan>(w, prompt_tokens, 0);
+  typename F::template decode_engine<Plan> engine(w, tensors, prompt_tokens);
   lynx::session_options options;
   options.max_draft = cfg.max_draft;
   options.max_new_tokens = cfg.committed_tokens;
-  lynx::progressive_session session(engine, lynx::greedy_verifier{}, streams_sent, prompt_tokens,
+  lynx::progressive_session session(engine, cfg.verifier, streams_sent, prompt_tokens,
                                     pre.first_token, options);
   std::vector<double> level_time(static_cast<std::size_t>(streams_sent) + 1, -1.0);
   auto& receiver = link.receiver();
@@ -154,13 +216,15 @@ timeline run_request(const ll::weights& w, const prefill_result& pre, const requ
       for (int l = 1; l <= level; ++l)
         if (level_time[static_cast<std::size_t>(l)] < 0)
           level_time[static_cast<std::size_t>(l)] = arrived;
-      if (level > session.available_level()) session.set_available_level(level);
+      if (level > session.available_level() && (!decode_when_complete || level == streams_sent))
+        session.set_available_level(level);
     }
   };
   for (int guard = 0; !session.finished(); ++guard) {
     if (guard > 1000000) throw std::runtime_error("run_request: no progress");
     deliver();
     const std::size_t committed_before = session.committed().size();
+    tl.step_levels.push_back(session.available_level());
     const auto t0 = std::chrono::steady_clock::now();
     const lynx::step_result step = session.step();
     if (step.kind == lynx::step_kind::idle) {
@@ -188,24 +252,56 @@ timeline run_request(const ll::weights& w, const prefill_result& pre, const requ
   return tl;
 }
 
+/// A Lynx session replayed over the planes the prefill node sent, all present
+/// from the start, told at each step the level the real run had then
+/// (`step_levels`, from its timeline). A session's choices depend only on the
+/// planes it reads at each level and on its verifier's draws, so the replay
+/// commits what the run committed when the decode node read, at every level,
+/// the bits that were sent. At T > 0 this is the exact check of a run:
+/// speculative sampling matches blocking sampling in distribution, not token
+/// for token.
+template <lynx::stream_plan_type Plan, class Weights>
+std::vector<int> replay_session(const Weights& w, const prefill_engine_of<Weights>& node,
+                                int first_token, int count, int max_draft,
+                                const request_verifier& verifier,
+                                std::span<const int> step_levels) {
+  const int prompt_tokens = node.cache().prompt_length();
+  const auto tensors = received_locally<Plan>(w, node);
+  typename family<Weights>::template decode_engine<Plan> engine(w, tensors, prompt_tokens);
+  lynx::session_options options;
+  options.max_draft = max_draft;
+  options.max_new_tokens = count;
+  lynx::progressive_session session(engine, verifier, Plan::streams, prompt_tokens, first_token,
+                                    options);
+  for (const int level : step_levels) {
+    if (session.finished()) break;
+    if (level > session.available_level()) session.set_available_level(level);
+    (void)session.step();
+  }
+  return {session.committed().begin(), session.committed().end()};
+}
+
 /// Blocking bf16: every layer's K and V as raw bf16 (2 bytes per element, no
 /// quantization), sent whole; decoding starts when the last byte has landed and
 /// attends a bf16-rounded fp32 cache.
-inline timeline run_blocking_bf16(const ll::weights& w, const prefill_result& pre,
-                                  const request_config& cfg) {
+template <class Weights>
+timeline run_blocking_bf16(const Weights& w, const prefill_result<Weights>& pre,
+                           const request_config& cfg) {
+  using F = family<Weights>;
   timeline tl;
   tl.name = "blocking bf16";
   tl.prefill_done = pre.seconds;
-  const ll::kv_cache& cache = pre.node.cache();
-  const int layers = w.cfg().n_layers;
+  const int layers = F::layers(w);
   lynx::simulated_link link(link_options(cfg.link));
   std::vector<std::vector<lynx::bf16>> wire(static_cast<std::size_t>(layers));
   double t = pre.seconds;
   for (int l = 0; l < layers; ++l) {
     const auto t0 = std::chrono::steady_clock::now();
     auto& buf = wire[static_cast<std::size_t>(l)];
-    for (const float x : cache.prompt_keys(l)) buf.push_back(lynx::bf16(x));
-    for (const float x : cache.prompt_values(l)) buf.push_back(lynx::bf16(x));
+    const auto kv = F::shipped(pre.node, l);
+    const auto n = static_cast<std::size_t>(kv.shape.elements());
+    for (std::size_t i = 0; i < n; ++i) buf.push_back(lynx::bf16(kv.keys[i]));
+    for (std::size_t i = 0; i < n; ++i) buf.push_back(lynx::bf16(kv.values[i]));
     t += seconds_since(t0);
     link.advance_to(lynx::virtual_time(virtual_seconds(t)));
     const std::span<const std::byte> bytes(reinterpret_cast<const std::byte*>(buf.data()),
@@ -221,25 +317,26 @@ inline timeline run_blocking_bf16(const ll::weights& w, const prefill_result& pr
   double landed = 0;
   for (const auto& a : link.arrivals()) landed = std::max(landed, lynx::to_seconds(a.arrived));
   tl.anchor_landed = landed;
-  // Decode node: the received bf16 values, widened to the engine's fp32 prompt cache.
-  ll::engine<> engine(w);
-  engine.begin_decode(static_cast<int>(pre.prompt.size()));
+  // Decode node: the prefill node's engine with its shipped prompt KV replaced by
+  // the received bf16 values, widened to fp32 (what a decode node's exact fp32
+  // attention over the received cache computes).
+  prefill_engine_of<Weights> engine = pre.node;
   for (int l = 0; l < layers; ++l) {
     const auto& buf = wire[static_cast<std::size_t>(l)];
-    auto keys = engine.cache().prompt_keys(l);
-    auto values = engine.cache().prompt_values(l);
-    for (std::size_t i = 0; i < keys.size(); ++i) keys[i] = static_cast<float>(buf[i]);
-    for (std::size_t i = 0; i < values.size(); ++i)
-      values[i] = static_cast<float>(buf[keys.size() + i]);
+    const auto kv = F::shipped(engine, l);
+    const auto n = static_cast<std::size_t>(kv.shape.elements());
+    for (std::size_t i = 0; i < n; ++i) kv.keys[i] = static_cast<float>(buf[i]);
+    for (std::size_t i = 0; i < n; ++i) kv.values[i] = static_cast<float>(buf[n + i]);
   }
+  request_verifier verifier = cfg.verifier;
   double now = std::max(t, landed);
   tl.tokens.push_back(pre.first_token);
-  std::vector<float> logits(static_cast<std::size_t>(w.cfg().vocab_size));
+  std::vector<float> logits(static_cast<std::size_t>(F::vocab(w)));
   while (static_cast<int>(tl.tokens.size()) < cfg.committed_tokens) {
     const auto t0 = std::chrono::steady_clock::now();
     const int token = tl.tokens.back();
     engine.decode(std::span<const int>(&token, 1), engine.position(), logits);
-    tl.tokens.push_back(ll::argmax(logits));
+    tl.tokens.push_back(verifier.decide(logits, engine.position()));
     now += seconds_since(t0);
     if (tl.tokens.size() == 2) tl.first_committed = now;
   }

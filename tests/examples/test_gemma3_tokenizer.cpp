@@ -9,8 +9,9 @@
 // model cases are registered last.
 #include <doctest/doctest.h>
 
-#include <gemma3/tokenizer.hpp>
-#include <gguf/reader.hpp>
+#include "gemma3/model_path.hpp"
+#include "gemma3/tokenizer.hpp"
+#include "gguf/reader.hpp"
 
 #include <chrono>
 #include <cstdint>
@@ -375,34 +376,6 @@ struct failure_counter : doctest::IReporter {
 };
 REGISTER_LISTENER("gemma3_tokenizer_failures", 1, failure_counter);
 
-// Where the model is looked for: $LYNX_GEMMA3_GGUF, else
-// ${LYNX_MODEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/lynx}/gemma-3-270m-q4_k_m.gguf.
-std::filesystem::path gemma3_expected_model_path() {
-  auto env = [](const char* name) -> std::optional<std::string> {
-    const char* v = std::getenv(name);
-    if (v == nullptr || *v == '\0') return std::nullopt;
-    return std::string(v);
-  };
-  if (const auto p = env("LYNX_GEMMA3_GGUF")) return *p;
-  std::filesystem::path cache;
-  if (const auto c = env("LYNX_MODEL_CACHE")) {
-    cache = *c;
-  } else if (const auto x = env("XDG_CACHE_HOME")) {
-    cache = std::filesystem::path(*x) / "lynx";
-  } else {
-    cache = std::filesystem::path(env("HOME").value_or(".")) / ".cache" / "lynx";
-  }
-  return cache / "gemma-3-270m-q4_k_m.gguf";
-}
-
-// The model's path when the file is there.
-inline std::optional<std::filesystem::path> gemma3_model_path() {
-  std::error_code ec;
-  std::filesystem::path p = gemma3_expected_model_path();
-  if (std::filesystem::is_regular_file(p, ec)) return p;
-  return std::nullopt;
-}
-
 struct loaded {
   gguf::file file;
   g3::tokenizer tokenizer;
@@ -411,10 +384,10 @@ struct loaded {
 
 const loaded& model() {
   static const std::unique_ptr<loaded> m = []() -> std::unique_ptr<loaded> {
-    const std::optional<std::filesystem::path> p = gemma3_model_path();
+    const std::optional<std::filesystem::path> p = g3::find_model();
     if (!p) {
       std::printf("SKIPPED: Gemma-3 GGUF not found at %s (cmake/fetch_gemma3.sh fetches it)\n",
-                  gemma3_expected_model_path().string().c_str());
+                  g3::default_model_path().string().c_str());
       if (failure_counter::failed > 0) {
         std::printf("... but %d tiny-vocabulary test case(s) failed before that\n",
                     failure_counter::failed);

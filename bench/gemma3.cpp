@@ -116,10 +116,12 @@ double lynx_step_seconds(g3::lynx_decode_engine<lynx::plan_8_4_4>& e, int level,
   double best = 1e30;
   for (int r = 0; r < repeats; ++r) {
     const auto t0 = std::chrono::steady_clock::now();
-    e.forward(tokens, context_tokens + e.tail_size(), level,
-              std::span<float>(logits.data(), static_cast<std::size_t>(k) *
-                                                  static_cast<std::size_t>(model()->cfg().vocab_size)));
-    best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    e.forward(
+        tokens, context_tokens + e.tail_size(), level,
+        std::span<float>(logits.data(), static_cast<std::size_t>(k) *
+                                            static_cast<std::size_t>(model()->cfg().vocab_size)));
+    best = std::min(best,
+                    std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
     e.drop_tail(k);
   }
   return best;

@@ -129,7 +129,9 @@ class kv_cache {
   [[nodiscard]] int length() const { return prompt_length_ + tail_length_; }
 
   // [prompt_length, n_kv_heads, head_dim]; empty on a decode node
-  [[nodiscard]] std::span<float> prompt_keys(int l) { return region(prompt_k_, l, stored_prompt()); }
+  [[nodiscard]] std::span<float> prompt_keys(int l) {
+    return region(prompt_k_, l, stored_prompt());
+  }
   [[nodiscard]] std::span<float> prompt_values(int l) {
     return region(prompt_v_, l, stored_prompt());
   }
@@ -250,7 +252,8 @@ class exact_attention {
   void operator()(const kv_cache& cache, int layer, std::span<const float> q, int tail_visible,
                   std::span<float> out) {
     if (!cache.holds_prompt() && cache.prompt_length() > 0)
-      throw std::logic_error("gemma3: exact_attention needs the prompt KV (prefill on this engine)");
+      throw std::logic_error(
+          "gemma3: exact_attention needs the prompt KV (prefill on this engine)");
     if (tail_visible < 0 || tail_visible > cache.tail_length())
       throw std::out_of_range("gemma3: tail_visible " + std::to_string(tail_visible) +
                               " outside [0, " + std::to_string(cache.tail_length()) + "]");
@@ -313,8 +316,8 @@ class engine {
       inv_freq_local_[static_cast<std::size_t>(i)] = std::pow(c.rope_base_local, e);
     }
   }
-  explicit engine(const weights& model, int threads = 0)
-    requires std::same_as<Attention, exact_attention>
+  explicit engine(const weights& model,
+                  int threads = 0) requires std::same_as<Attention, exact_attention>
       : engine(model, exact_attention(model.cfg().window, local_layers(model.cfg())), threads) {}
 
   [[nodiscard]] const config& cfg() const { return model_->cfg(); }
@@ -361,7 +364,8 @@ class engine {
       const std::size_t vocab = static_cast<std::size_t>(c.vocab_size);
       if (all_positions) {
         forward(prompt.subspan(static_cast<std::size_t>(c0), static_cast<std::size_t>(k)), c0,
-                kv_rows, attend, logits.subspan(static_cast<std::size_t>(c0) * vocab, k * vocab), 0);
+                kv_rows, attend, logits.subspan(static_cast<std::size_t>(c0) * vocab, k * vocab),
+                0);
       } else {
         const bool last = c0 + k == n;
         forward(prompt.subspan(static_cast<std::size_t>(c0), static_cast<std::size_t>(k)), c0,
@@ -395,7 +399,8 @@ class engine {
     auto attend = [&](int l, int t, const float* q, float* out) {
       attention_(std::as_const(cache_), l,
                  std::span<const float>(q, static_cast<std::size_t>(cfg().q_dim())),
-                 first_tail + t + 1, std::span<float>(out, static_cast<std::size_t>(cfg().q_dim())));
+                 first_tail + t + 1,
+                 std::span<float>(out, static_cast<std::size_t>(cfg().q_dim())));
     };
     const std::ptrdiff_t offset = static_cast<std::ptrdiff_t>(first_tail) * cache_.token_stride();
     auto kv_rows = [&](int l) {
@@ -506,8 +511,8 @@ class engine {
       for (int t = 0; t < k; ++t) {
         const float* table = row(s.rope, t, 2 * c.head_dim);
         norm_rope(row(s.q, t, q_dim), c.n_heads, lw.q_norm.data(), table, local);
-        norm_rope(k_rows + static_cast<std::ptrdiff_t>(t) * kv_dim, c.n_kv_heads,
-                  lw.k_norm.data(), table, local);
+        norm_rope(k_rows + static_cast<std::ptrdiff_t>(t) * kv_dim, c.n_kv_heads, lw.k_norm.data(),
+                  table, local);
       }
       for (int t = 0; t < k; ++t) attend(l, t, row(s.q, t, q_dim), row(s.att, t, q_dim));
       detail::matmul(s.xb2.data(), s.att.data(), lw.wo, k, threads_, mm_scratch_);

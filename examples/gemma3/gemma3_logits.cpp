@@ -50,11 +50,16 @@ int main(int argc, char** argv) try {
       if (i + 1 >= argc) throw std::invalid_argument(std::string(a) + " needs a value");
       return argv[++i];
     };
-    if (a == "--model") model = value();
-    else if (a == "--tokens") tokens_arg = value();
-    else if (a == "--out") out_path = value();
-    else if (a == "--threads") threads = std::stoi(value());
-    else throw std::invalid_argument("unknown argument '" + std::string(a) + "'");
+    if (a == "--model")
+      model = value();
+    else if (a == "--tokens")
+      tokens_arg = value();
+    else if (a == "--out")
+      out_path = value();
+    else if (a == "--threads")
+      threads = std::stoi(value());
+    else
+      throw std::invalid_argument("unknown argument '" + std::string(a) + "'");
   }
   if (tokens_arg.empty() || out_path.empty())
     throw std::invalid_argument(
@@ -67,8 +72,7 @@ int main(int argc, char** argv) try {
   const std::size_t vocab = static_cast<std::size_t>(w.cfg().vocab_size);
   std::vector<float> logits(tokens.size() * vocab);
   e.prefill(tokens, logits, /*all_positions=*/true);
-  const double secs =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   std::ofstream f(out_path, std::ios::binary);
   f.write(reinterpret_cast<const char*>(logits.data()),
           static_cast<std::streamsize>(logits.size() * sizeof(float)));

@@ -79,8 +79,7 @@ std::vector<lynx::encoded_layer<Plan, G>> encode_prompt(const engine<Attention>&
 template <lynx::stream_plan_type Plan, int G = 32>
 class lynx_prompt_attention {
  public:
-  lynx_prompt_attention(const config& c, const prompt_tensors<Plan, G>* prompt)
-      : prompt_(prompt) {
+  lynx_prompt_attention(const config& c, const prompt_tensors<Plan, G>* prompt) : prompt_(prompt) {
     local_.reserve(static_cast<std::size_t>(c.n_layers));
     global_.variant.window_ = 0;
     local_window_.variant.window_ = c.window;
@@ -95,7 +94,8 @@ class lynx_prompt_attention {
     const auto& tensor = (*prompt_)[static_cast<std::size_t>(layer)];
     const auto view = tensor.view_at(level);
     const lynx::kv_shape tail_shape{cache.tail_length(), cache.n_kv_heads(), cache.head_dim()};
-    const auto tail_keys = lynx::token_major<const float>(cache.tail_keys(layer).data(), tail_shape);
+    const auto tail_keys =
+        lynx::token_major<const float>(cache.tail_keys(layer).data(), tail_shape);
     const auto tail_values =
         lynx::token_major<const float>(cache.tail_values(layer).data(), tail_shape);
     const lynx::attention_queries queries{
@@ -105,8 +105,8 @@ class lynx_prompt_attention {
     if (workspace_.size() < lynx::attention_workspace::bytes_needed(problem, threads))
       workspace_.reserve(problem, threads);
     const auto& attn = local_[static_cast<std::size_t>(layer)] ? local_window_ : global_;
-    attn(view, tail_keys, tail_values, queries, visible, lynx::attention_output{out.data(), nullptr},
-         workspace_, {.threads = threads});
+    attn(view, tail_keys, tail_values, queries, visible,
+         lynx::attention_output{out.data(), nullptr}, workspace_, {.threads = threads});
   }
 
  private:
@@ -120,8 +120,8 @@ class lynx_prompt_attention {
 template <lynx::stream_plan_type Plan, int G = 32>
 class lynx_decode_engine {
  public:
-  lynx_decode_engine(const weights& model, const prompt_tensors<Plan, G>& prompt,
-                     int prompt_tokens, int threads = 0)
+  lynx_decode_engine(const weights& model, const prompt_tensors<Plan, G>& prompt, int prompt_tokens,
+                     int threads = 0)
       : inner_(model, lynx_prompt_attention<Plan, G>(model.cfg(), &prompt), threads) {
     const config& c = model.cfg();
     if (static_cast<int>(prompt.size()) != c.n_layers)

@@ -25,15 +25,15 @@
 namespace lynx_examples::gemma3 {
 
 struct config {
-  int dim = 0;          // residual width (embedding_length)
-  int hidden_dim = 0;   // feed_forward_length
-  int n_layers = 0;     // block_count
-  int n_heads = 0;      // query heads
-  int n_kv_heads = 0;   // key/value heads
-  int head_dim = 0;     // key_length (== value_length)
-  int vocab_size = 0;   // rows of the token embedding
-  int context = 0;      // context_length
-  int window = 0;       // sliding window of local layers (a key is visible when q_pos - k_pos < window)
+  int dim = 0;         // residual width (embedding_length)
+  int hidden_dim = 0;  // feed_forward_length
+  int n_layers = 0;    // block_count
+  int n_heads = 0;     // query heads
+  int n_kv_heads = 0;  // key/value heads
+  int head_dim = 0;    // key_length (== value_length)
+  int vocab_size = 0;  // rows of the token embedding
+  int context = 0;     // context_length
+  int window = 0;  // sliding window of local layers (a key is visible when q_pos - k_pos < window)
   int window_period = 6;             // layer l is global when (l + 1) % window_period == 0
   double rope_base_global = 1e6;     // rope.freq_base
   double rope_base_local = 10000.0;  // rope.freq_base_swa when present
@@ -67,15 +67,14 @@ struct matrix {
 
 struct layer_weights {
   std::vector<float> attn_norm, q_norm, k_norm, post_attn_norm, ffn_norm, post_ffn_norm;
-  matrix wq, wk, wv, wo;      // [q_dim, dim], [kv_dim, dim], [kv_dim, dim], [dim, q_dim]
-  matrix gate, up, down;      // [hidden, dim], [hidden, dim], [dim, hidden]
+  matrix wq, wk, wv, wo;  // [q_dim, dim], [kv_dim, dim], [kv_dim, dim], [dim, q_dim]
+  matrix gate, up, down;  // [hidden, dim], [hidden, dim], [dim, hidden]
 };
 
 /// The model: owns the mapped file; weights point into it.
 class weights {
  public:
-  explicit weights(const std::filesystem::path& path)
-      : file_(std::make_unique<gguf::file>(path)) {
+  explicit weights(const std::filesystem::path& path) : file_(std::make_unique<gguf::file>(path)) {
     const gguf::file& f = *file_;
     const std::string arch(f.get_string("general.architecture"));
     if (arch != "gemma3")
@@ -146,7 +145,9 @@ class weights {
 
   [[nodiscard]] const config& cfg() const { return cfg_; }
   [[nodiscard]] const gguf::file& file() const { return *file_; }
-  [[nodiscard]] const matrix& embedding() const { return embedding_; }  // [vocab, dim], also the classifier
+  [[nodiscard]] const matrix& embedding() const {
+    return embedding_;
+  }  // [vocab, dim], also the classifier
   [[nodiscard]] std::span<const float> output_norm() const { return output_norm_; }
   [[nodiscard]] const layer_weights& layer(int l) const {
     return layers_.at(static_cast<std::size_t>(l));
@@ -176,8 +177,8 @@ class weights {
     m.row_bytes = gguf::row_bytes(t.type, cols);
     const std::span<const std::byte> bytes = file_->data(t);
     if (bytes.size() != m.row_bytes * static_cast<std::size_t>(m.rows))
-      throw std::runtime_error("gemma3: tensor " + name + " holds " +
-                               std::to_string(bytes.size()) + " bytes, expected " +
+      throw std::runtime_error("gemma3: tensor " + name + " holds " + std::to_string(bytes.size()) +
+                               " bytes, expected " +
                                std::to_string(m.row_bytes * static_cast<std::size_t>(m.rows)));
     m.data = bytes.data();
     m.name = name;

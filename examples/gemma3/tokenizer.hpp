@@ -123,7 +123,8 @@ class tokenizer {
     for (const std::int32_t id : {special_.eos, special_.eot})
       if (id >= 0) end_of_generation_.push_back(id);
     build_lookup();
-    for (const std::string_view name : {std::string_view("<end_of_turn>"), std::string_view("</s>")})
+    for (const std::string_view name :
+         {std::string_view("<end_of_turn>"), std::string_view("</s>")})
       if (const auto id = find(name)) end_of_generation_.push_back(*id);
     std::sort(end_of_generation_.begin(), end_of_generation_.end());
     end_of_generation_.erase(std::unique(end_of_generation_.begin(), end_of_generation_.end()),
@@ -135,7 +136,8 @@ class tokenizer {
     for (std::size_t i = 0; i < n; ++i) {
       const std::string_view p = raw_piece(static_cast<std::int32_t>(i));
       if (types_[i] == token_type::user_defined && !p.empty())
-        user_defined_[static_cast<unsigned char>(p.front())].push_back(static_cast<std::int32_t>(i));
+        user_defined_[static_cast<unsigned char>(p.front())].push_back(
+            static_cast<std::int32_t>(i));
     }
     for (auto& ids : user_defined_)
       std::stable_sort(ids.begin(), ids.end(), [&](std::int32_t a, std::int32_t b) {
@@ -154,8 +156,9 @@ class tokenizer {
       out.push_back(special_.bos);
     }
     merge_workspace ws;
-    bool after_special = true;  // add_space_prefix puts a space at the start and after each cut token
-    std::size_t stretch = 0;     // start of the text not yet encoded
+    bool after_special =
+        true;                 // add_space_prefix puts a space at the start and after each cut token
+    std::size_t stretch = 0;  // start of the text not yet encoded
     for (std::size_t at = 0; at < text.size();) {
       const auto& candidates = user_defined_[static_cast<unsigned char>(text[at])];
       std::int32_t cut = -1;
@@ -214,7 +217,7 @@ class tokenizer {
   // The id of an exact stored piece ("<start_of_turn>", "▁the"), any type.
   [[nodiscard]] std::optional<std::int32_t> find(std::string_view stored_piece) const {
     const std::size_t mask = slots_.size() - 1;
-    for (std::size_t s = std::hash<std::string_view>{}(stored_piece) & mask;; s = (s + 1) & mask) {
+    for (std::size_t s = std::hash<std::string_view>{}(stored_piece)&mask;; s = (s + 1) & mask) {
       const std::int32_t id = slots_[s];
       if (id < 0) return std::nullopt;
       if (raw_piece(id) == stored_piece) return id;
@@ -317,7 +320,7 @@ class tokenizer {
     const std::size_t mask = size - 1;
     for (std::int32_t id = 0; id < static_cast<std::int32_t>(types_.size()); ++id) {
       const std::string_view p = raw_piece(id);
-      for (std::size_t s = std::hash<std::string_view>{}(p) & mask;; s = (s + 1) & mask) {
+      for (std::size_t s = std::hash<std::string_view>{}(p)&mask;; s = (s + 1) & mask) {
         if (slots_[s] < 0 || raw_piece(slots_[s]) == p) {
           slots_[s] = id;
           break;
@@ -379,7 +382,8 @@ class tokenizer {
     if (left < 0 || right < 0) return;
     const symbol& l = ws.symbols[static_cast<std::size_t>(left)];
     const symbol& r = ws.symbols[static_cast<std::size_t>(right)];
-    const std::optional<std::int32_t> id = find(std::string_view(ws.text).substr(l.begin, l.size + r.size));
+    const std::optional<std::int32_t> id =
+        find(std::string_view(ws.text).substr(l.begin, l.size + r.size));
     if (!id) return;
     ws.queue.push_back({scores_[static_cast<std::size_t>(*id)], left, right, l.size + r.size});
     std::push_heap(ws.queue.begin(), ws.queue.end(), bigram_below{});
@@ -462,14 +466,14 @@ class tokenizer {
   static constexpr std::string_view space_mark = "\xE2\x96\x81";  // U+2581 '▁'
 
   special_tokens special_;
-  std::string text_;                   // every piece as stored, back to back
-  std::vector<std::size_t> offsets_;   // [vocab + 1]: piece i is text_[offsets_[i], offsets_[i+1])
-  std::vector<float> scores_;          // [vocab]
-  std::vector<token_type> types_;      // [vocab]
-  std::vector<std::int32_t> slots_;    // piece -> id hash table, -1 = empty
-  std::array<std::int32_t, 256> byte_token_{};                  // byte -> "<0xXX>" id or -1
+  std::string text_;                  // every piece as stored, back to back
+  std::vector<std::size_t> offsets_;  // [vocab + 1]: piece i is text_[offsets_[i], offsets_[i+1])
+  std::vector<float> scores_;         // [vocab]
+  std::vector<token_type> types_;     // [vocab]
+  std::vector<std::int32_t> slots_;   // piece -> id hash table, -1 = empty
+  std::array<std::int32_t, 256> byte_token_{};                 // byte -> "<0xXX>" id or -1
   std::array<std::vector<std::int32_t>, 256> user_defined_{};  // first byte -> ids, longest first
-  std::vector<std::int32_t> end_of_generation_;                 // sorted
+  std::vector<std::int32_t> end_of_generation_;                // sorted
 };
 
 }  // namespace lynx_examples::gemma3

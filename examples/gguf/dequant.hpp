@@ -35,8 +35,10 @@ inline bool can_dequantize(tensor_type t) {
     case tensor_type::q8_0:
     case tensor_type::q5_0:
     case tensor_type::q4_k:
-    case tensor_type::q6_k: return true;
-    default: return false;
+    case tensor_type::q6_k:
+      return true;
+    default:
+      return false;
   }
 }
 
@@ -45,8 +47,9 @@ inline bool can_dequantize(tensor_type t) {
 inline std::size_t row_bytes(tensor_type t, std::int64_t n) {
   const std::int64_t block = block_elements(t);
   if (n < 0 || n % block != 0)
-    throw std::invalid_argument("gguf: a row of " + std::to_string(n) + " elements is not a whole number of " +
-                                std::string(type_name(t)) + " blocks of " + std::to_string(block));
+    throw std::invalid_argument("gguf: a row of " + std::to_string(n) +
+                                " elements is not a whole number of " + std::string(type_name(t)) +
+                                " blocks of " + std::to_string(block));
   return static_cast<std::size_t>(n / block) * block_bytes(t);
 }
 
@@ -59,8 +62,12 @@ inline float half_at(const std::byte* p) {
 }
 
 // Bytes as the unsigned / signed integers the block layouts are made of.
-inline const std::uint8_t* as_u8(const std::byte* p) { return reinterpret_cast<const std::uint8_t*>(p); }
-inline const std::int8_t* as_i8(const std::byte* p) { return reinterpret_cast<const std::int8_t*>(p); }
+inline const std::uint8_t* as_u8(const std::byte* p) {
+  return reinterpret_cast<const std::uint8_t*>(p);
+}
+inline const std::int8_t* as_i8(const std::byte* p) {
+  return reinterpret_cast<const std::int8_t*>(p);
+}
 
 inline void dequantize_f16(const std::byte* src, float* LYNX_RESTRICT dst, std::int64_t n) {
   for (std::int64_t i = 0; i < n; ++i) dst[i] = half_at(src + 2 * i);
@@ -177,9 +184,11 @@ inline void dequantize_q6_k(const std::byte* src, float* LYNX_RESTRICT dst, std:
       std::int8_t* v = q + 128 * half;
       for (int l = 0; l < 32; ++l) {
         v[l] = static_cast<std::int8_t>(((l4[l] & 0x0f) | ((h2[l] & 0x03) << 4)) - 32);
-        v[l + 32] = static_cast<std::int8_t>(((l4[l + 32] & 0x0f) | (((h2[l] >> 2) & 0x03) << 4)) - 32);
+        v[l + 32] =
+            static_cast<std::int8_t>(((l4[l + 32] & 0x0f) | (((h2[l] >> 2) & 0x03) << 4)) - 32);
         v[l + 64] = static_cast<std::int8_t>(((l4[l] >> 4) | (((h2[l] >> 4) & 0x03) << 4)) - 32);
-        v[l + 96] = static_cast<std::int8_t>(((l4[l + 32] >> 4) | (((h2[l] >> 6) & 0x03) << 4)) - 32);
+        v[l + 96] =
+            static_cast<std::int8_t>(((l4[l + 32] >> 4) | (((h2[l] >> 6) & 0x03) << 4)) - 32);
       }
     }
     for (int g = 0; g < 16; ++g) {
@@ -204,13 +213,26 @@ inline void dequantize_row(tensor_type t, const std::byte* src, float* dst, std:
     case tensor_type::f32:
       if (n > 0) std::memcpy(dst, src, static_cast<std::size_t>(n) * sizeof(float));
       return;
-    case tensor_type::f16: detail::dequantize_f16(src, dst, n); return;
-    case tensor_type::bf16: detail::dequantize_bf16(src, dst, n); return;
-    case tensor_type::q8_0: detail::dequantize_q8_0(src, dst, n); return;
-    case tensor_type::q5_0: detail::dequantize_q5_0(src, dst, n); return;
-    case tensor_type::q4_k: detail::dequantize_q4_k(src, dst, n); return;
-    case tensor_type::q6_k: detail::dequantize_q6_k(src, dst, n); return;
-    default: return;  // excluded by can_dequantize above
+    case tensor_type::f16:
+      detail::dequantize_f16(src, dst, n);
+      return;
+    case tensor_type::bf16:
+      detail::dequantize_bf16(src, dst, n);
+      return;
+    case tensor_type::q8_0:
+      detail::dequantize_q8_0(src, dst, n);
+      return;
+    case tensor_type::q5_0:
+      detail::dequantize_q5_0(src, dst, n);
+      return;
+    case tensor_type::q4_k:
+      detail::dequantize_q4_k(src, dst, n);
+      return;
+    case tensor_type::q6_k:
+      detail::dequantize_q6_k(src, dst, n);
+      return;
+    default:
+      return;  // excluded by can_dequantize above
   }
 }
 
@@ -219,8 +241,8 @@ inline void dequantize_row(tensor_type t, const std::byte* src, float* dst, std:
 /// is not decoded here, format_error when its data cannot be located.
 inline std::vector<float> dequantize(const file& f, const tensor_info& t) {
   if (!can_dequantize(t.type))
-    throw std::invalid_argument("gguf: cannot dequantize tensor " + detail::quoted(t.name) + " of " +
-                                detail::type_label(t.type) +
+    throw std::invalid_argument("gguf: cannot dequantize tensor " + detail::quoted(t.name) +
+                                " of " + detail::type_label(t.type) +
                                 " (supported: F32, F16, BF16, Q8_0, Q5_0, Q4_K, Q6_K)");
   const std::span<const std::byte> bytes = f.data(t);
   std::vector<float> out(static_cast<std::size_t>(t.elements()));

@@ -54,8 +54,8 @@ void list(const gguf::file& f) {
     const std::string type = gguf::is_known(t.type)
                                  ? std::string(gguf::type_name(t.type))
                                  : "type " + std::to_string(static_cast<std::uint32_t>(t.type));
-    std::printf("  %4zu %-32s %-5s %-18s offset %llu, %llu bytes\n", i, t.name.c_str(), type.c_str(),
-                dims_text(t.dims).c_str(), static_cast<unsigned long long>(t.offset),
+    std::printf("  %4zu %-32s %-5s %-18s offset %llu, %llu bytes\n", i, t.name.c_str(),
+                type.c_str(), dims_text(t.dims).c_str(), static_cast<unsigned long long>(t.offset),
                 static_cast<unsigned long long>(t.bytes));
     total += t.bytes;
   }

@@ -159,19 +159,32 @@ enum class value_type : std::uint32_t {
 
 inline std::string_view value_type_name(value_type t) {
   switch (t) {
-    case value_type::u8: return "uint8";
-    case value_type::i8: return "int8";
-    case value_type::u16: return "uint16";
-    case value_type::i16: return "int16";
-    case value_type::u32: return "uint32";
-    case value_type::i32: return "int32";
-    case value_type::f32: return "float32";
-    case value_type::boolean: return "bool";
-    case value_type::string: return "string";
-    case value_type::array: return "array";
-    case value_type::u64: return "uint64";
-    case value_type::i64: return "int64";
-    case value_type::f64: return "float64";
+    case value_type::u8:
+      return "uint8";
+    case value_type::i8:
+      return "int8";
+    case value_type::u16:
+      return "uint16";
+    case value_type::i16:
+      return "int16";
+    case value_type::u32:
+      return "uint32";
+    case value_type::i32:
+      return "int32";
+    case value_type::f32:
+      return "float32";
+    case value_type::boolean:
+      return "bool";
+    case value_type::string:
+      return "string";
+    case value_type::array:
+      return "array";
+    case value_type::u64:
+      return "uint64";
+    case value_type::i64:
+      return "int64";
+    case value_type::f64:
+      return "float64";
   }
   return "unknown";
 }
@@ -209,7 +222,7 @@ struct tensor_info {
 
 /// One metadata key/value, as located in the file (values are read on demand).
 struct metadata_entry {
-  std::string_view key;      // view into the mapping
+  std::string_view key;  // view into the mapping
   value_type type{};
   value_type element_type{};  // arrays: the elements' type; otherwise equal to type
   std::uint64_t count = 1;    // arrays: the number of elements; otherwise 1
@@ -246,9 +259,9 @@ class mapping {
       if (p == MAP_FAILED) {
         const int e = errno;
         ::close(fd);
-        throw std::system_error(e, std::generic_category(),
-                                "gguf: cannot map '" + path.string() + "' (" +
-                                    std::to_string(size_) + " bytes)");
+        throw std::system_error(
+            e, std::generic_category(),
+            "gguf: cannot map '" + path.string() + "' (" + std::to_string(size_) + " bytes)");
       }
       data_ = static_cast<const std::byte*>(p);
     }
@@ -273,8 +286,7 @@ class mapping {
 
  private:
   void release() {
-    if (data_ != nullptr)
-      ::munmap(const_cast<std::byte*>(data_), static_cast<std::size_t>(size_));
+    if (data_ != nullptr) ::munmap(const_cast<std::byte*>(data_), static_cast<std::size_t>(size_));
     data_ = nullptr;
   }
   const std::byte* data_ = nullptr;
@@ -287,9 +299,10 @@ class mapping {
 class field_ref {
  public:
   template <class F>
-    requires(!std::is_same_v<std::remove_cvref_t<F>, field_ref>)
-  field_ref(const F& f)  // NOLINT: implicit on purpose, lambdas are passed directly
-      : object_(&f), call_([](const void* o) { return std::string((*static_cast<const F*>(o))()); }) {}
+  requires(!std::is_same_v<std::remove_cvref_t<F>, field_ref>)
+      field_ref(const F& f)  // NOLINT: implicit on purpose, lambdas are passed directly
+      : object_(&f),
+        call_([](const void* o) { return std::string((*static_cast<const F*>(o))()); }) {}
   [[nodiscard]] std::string operator()() const { return call_(object_); }
 
  private:
@@ -322,17 +335,22 @@ constexpr std::uint64_t scalar_size(value_type t) {
   switch (t) {
     case value_type::u8:
     case value_type::i8:
-    case value_type::boolean: return 1;
+    case value_type::boolean:
+      return 1;
     case value_type::u16:
-    case value_type::i16: return 2;
+    case value_type::i16:
+      return 2;
     case value_type::u32:
     case value_type::i32:
-    case value_type::f32: return 4;
+    case value_type::f32:
+      return 4;
     case value_type::u64:
     case value_type::i64:
-    case value_type::f64: return 8;
+    case value_type::f64:
+      return 8;
     case value_type::string:
-    case value_type::array: return 0;
+    case value_type::array:
+      return 0;
   }
   return 0;
 }
@@ -391,8 +409,7 @@ class cursor {
   // A GGUF string: u64 length, then the bytes. `field` names the string; the
   // length is reported as "<field> (length)".
   std::string_view read_string(field_ref field) {
-    const auto length =
-        read<std::uint64_t>([&] { return field() + " (length)"; });
+    const auto length = read<std::uint64_t>([&] { return field() + " (length)"; });
     need(length, field);
     const std::string_view s(reinterpret_cast<const char*>(base_ + pos_),
                              static_cast<std::size_t>(length));
@@ -433,8 +450,9 @@ class cursor {
                          at);
     const auto element = static_cast<value_type>(raw);
     const auto count = read<std::uint64_t>([&] { return field() + " (array count)"; });
-    need_elements(count, min_value_size(element),
-                  [&] { return field() + " (array of " + std::string(value_type_name(element)) + ")"; });
+    need_elements(count, min_value_size(element), [&] {
+      return field() + " (array of " + std::string(value_type_name(element)) + ")";
+    });
     return {element, count};
   }
 
@@ -444,7 +462,8 @@ class cursor {
       return;
     }
     for (std::uint64_t k = 0; k < count; ++k)
-      skip_value(element, [&] { return field() + " element " + std::to_string(k); }, depth + 1);
+      skip_value(
+          element, [&] { return field() + " element " + std::to_string(k); }, depth + 1);
   }
 
  private:
@@ -548,8 +567,8 @@ class file {
     const auto b = detail::load<std::uint8_t>(map_.data() + e.offset);
     if (b > 1)
       throw format_error("gguf: metadata key " + detail::quoted(e.key) + " at offset " +
-                             std::to_string(e.offset) + " is a bool holding " +
-                             std::to_string(b) + ", not 0 or 1" + where_,
+                             std::to_string(e.offset) + " is a bool holding " + std::to_string(b) +
+                             ", not 0 or 1" + where_,
                          e.offset);
     return b == 1;
   }
@@ -617,11 +636,11 @@ class file {
       const bool fits = negative ? value <= std::uint64_t{1} << 31
                                  : value <= static_cast<std::uint64_t>(INT32_MAX);
       if (!fits)
-        throw format_error("gguf: metadata key " + detail::quoted(e.key) + " element " +
-                               std::to_string(k) + " (" + std::string(value_type_name(e.element_type)) +
-                               (negative ? " -" : " ") + std::to_string(value) +
-                               ") does not fit in int32" + where_,
-                           e.offset + size * k);
+        throw format_error(
+            "gguf: metadata key " + detail::quoted(e.key) + " element " + std::to_string(k) + " (" +
+                std::string(value_type_name(e.element_type)) + (negative ? " -" : " ") +
+                std::to_string(value) + ") does not fit in int32" + where_,
+            e.offset + size * k);
       out[k] = negative ? static_cast<std::int32_t>(-static_cast<std::int64_t>(value))
                         : static_cast<std::int32_t>(value);
     }
@@ -661,10 +680,10 @@ class file {
       throw format_error("gguf: tensor " + detail::quoted(t.name) + " has " +
                              detail::type_label(t.type) +
                              ", whose block layout this reader does not know, so its data "
-                             "cannot be located" + where_,
+                             "cannot be located" +
+                             where_,
                          t.offset);
-    if (t.offset > size() || t.bytes > size() - t.offset)
-      throw outside(t.name, t.offset, t.bytes);
+    if (t.offset > size() || t.bytes > size() - t.offset) throw outside(t.name, t.offset, t.bytes);
     return {map_.data() + t.offset, static_cast<std::size_t>(t.bytes)};
   }
 
@@ -678,8 +697,10 @@ class file {
       case value_type::u32:
       case value_type::i32:
       case value_type::u64:
-      case value_type::i64: return true;
-      default: return false;
+      case value_type::i64:
+        return true;
+      default:
+        return false;
     }
   }
 
@@ -690,15 +711,24 @@ class file {
                    : std::pair{static_cast<std::uint64_t>(v), false};
     };
     switch (t) {
-      case value_type::u8: return {detail::load<std::uint8_t>(p), false};
-      case value_type::u16: return {detail::load<std::uint16_t>(p), false};
-      case value_type::u32: return {detail::load<std::uint32_t>(p), false};
-      case value_type::u64: return {detail::load<std::uint64_t>(p), false};
-      case value_type::i8: return signed_value(detail::load<std::int8_t>(p));
-      case value_type::i16: return signed_value(detail::load<std::int16_t>(p));
-      case value_type::i32: return signed_value(detail::load<std::int32_t>(p));
-      case value_type::i64: return signed_value(detail::load<std::int64_t>(p));
-      default: return {0, false};
+      case value_type::u8:
+        return {detail::load<std::uint8_t>(p), false};
+      case value_type::u16:
+        return {detail::load<std::uint16_t>(p), false};
+      case value_type::u32:
+        return {detail::load<std::uint32_t>(p), false};
+      case value_type::u64:
+        return {detail::load<std::uint64_t>(p), false};
+      case value_type::i8:
+        return signed_value(detail::load<std::int8_t>(p));
+      case value_type::i16:
+        return signed_value(detail::load<std::int16_t>(p));
+      case value_type::i32:
+        return signed_value(detail::load<std::int32_t>(p));
+      case value_type::i64:
+        return signed_value(detail::load<std::int64_t>(p));
+      default:
+        return {0, false};
     }
   }
 
@@ -738,9 +768,15 @@ class file {
     const std::byte* p = map_.data() + at;
     std::string out;
     switch (t) {
-      case value_type::f32: out = std::to_string(detail::load<float>(p)); break;
-      case value_type::f64: out = std::to_string(detail::load<double>(p)); break;
-      case value_type::boolean: out = detail::load<std::uint8_t>(p) != 0 ? "true" : "false"; break;
+      case value_type::f32:
+        out = std::to_string(detail::load<float>(p));
+        break;
+      case value_type::f64:
+        out = std::to_string(detail::load<double>(p));
+        break;
+      case value_type::boolean:
+        out = detail::load<std::uint8_t>(p) != 0 ? "true" : "false";
+        break;
       case value_type::string: {
         const std::string_view s = string_at(at);
         at += 8 + s.size();
@@ -790,15 +826,16 @@ class file {
     if (magic != gguf_magic) {
       char shown[4];
       std::memcpy(shown, &magic, 4);
-      throw format_error("gguf: bad magic at offset 0: " +
-                             detail::quoted(std::string_view(shown, 4)) +
-                             ", expected 'GGUF'" + where_,
-                         0);
+      throw format_error(
+          "gguf: bad magic at offset 0: " + detail::quoted(std::string_view(shown, 4)) +
+              ", expected 'GGUF'" + where_,
+          0);
     }
     version_ = c.read<std::uint32_t>([] { return "version"; });
     if (version_ != 2 && version_ != 3) {
       std::string hint;
-      if (version_ == 1) hint = " (version 1, with 32-bit counts, predates GGUF v2 and is not read)";
+      if (version_ == 1)
+        hint = " (version 1, with 32-bit counts, predates GGUF v2 and is not read)";
       if ((version_ & 0xffffu) == 0 && version_ != 0)
         hint = " (looks like a big-endian file, which this reader does not read)";
       throw format_error("gguf: unsupported version " + std::to_string(version_) +
@@ -842,7 +879,8 @@ class file {
         c.skip_elements(element, count, named, 0);
       } else {
         e.offset = c.pos();
-        c.skip_value(e.type, [&] { return named() + " (value)"; }, 0);
+        c.skip_value(
+            e.type, [&] { return named() + " (value)"; }, 0);
       }
       e.end = c.pos();
       key_index_.emplace(key, metadata_.size());
@@ -884,8 +922,8 @@ class file {
       std::int64_t elements = 1;
       for (std::uint32_t k = 0; k < n_dims; ++k) {
         const std::uint64_t dim_at = c.pos();
-        const auto d = c.read<std::uint64_t>(
-            [&] { return named() + " (dim " + std::to_string(k) + ")"; });
+        const auto d =
+            c.read<std::uint64_t>([&] { return named() + " (dim " + std::to_string(k) + ")"; });
         if (d == 0 || d > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()))
           throw format_error("gguf: " + named() + " dim " + std::to_string(k) + " at offset " +
                                  std::to_string(dim_at) + " is " + std::to_string(d) +

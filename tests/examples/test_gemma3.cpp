@@ -16,8 +16,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
-#include <cstring>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <memory>
@@ -137,9 +137,8 @@ struct landing {
 };
 
 template <class Plan>
-std::vector<std::int32_t> lynx_session(const g3::prompt_tensors<Plan>& tensors,
-                                       const prefilled& p, const landing& land,
-                                       lynx::session_stats& stats) {
+std::vector<std::int32_t> lynx_session(const g3::prompt_tensors<Plan>& tensors, const prefilled& p,
+                                       const landing& land, lynx::session_stats& stats) {
   g3::lynx_decode_engine<Plan> e(model(), tensors, static_cast<int>(p.prompt.size()));
   lynx::session_options o;
   o.max_draft = max_draft;
@@ -156,8 +155,8 @@ std::vector<std::int32_t> lynx_session(const g3::prompt_tensors<Plan>& tensors,
     session.step();
     REQUIRE(++steps < 4 * committed_tokens + 64);
   }
-  CHECK(streamed == std::vector<std::int32_t>(session.committed().begin(),
-                                              session.committed().end()));
+  CHECK(streamed ==
+        std::vector<std::int32_t>(session.committed().begin(), session.committed().end()));
   stats.draft_tokens += session.stats().draft_tokens;
   stats.verifications += session.stats().verifications;
   stats.verified_drafts += session.stats().verified_drafts;
@@ -189,7 +188,8 @@ void check_plan(const std::vector<landing>& landings) {
 TEST_CASE("the engine is batch invariant and decoding continues a prefill bitwise") {
   const g3::weights& w = model();
   const std::size_t vocab = static_cast<std::size_t>(w.cfg().vocab_size);
-  const std::vector<std::int32_t> text = tok().encode("The quick brown fox jumps over the lazy dog.");
+  const std::vector<std::int32_t> text =
+      tok().encode("The quick brown fox jumps over the lazy dog.");
   REQUIRE(text.size() >= 8);
   const int n = static_cast<int>(text.size()), head = n - 4;
   // prefill of every position, as a reference
@@ -242,7 +242,8 @@ TEST_CASE("window-aware transfer: local layers ship the last window - 1 prompt t
   auto short_prompt = g3::make_prompt_tensors<lynx::plan_8_4_4>(c, 600);
   auto bad = g3::make_prompt_tensors<lynx::plan_8_4_4>(c, 500);
   CHECK_THROWS_WITH_AS((g3::lynx_decode_engine<lynx::plan_8_4_4>(model(), bad, 600)),
-                       doctest::Contains("layer 0's tensor holds 500 tokens for a prompt of 600"), std::invalid_argument);
+                       doctest::Contains("layer 0's tensor holds 500 tokens for a prompt of 600"),
+                       std::invalid_argument);
   CHECK_NOTHROW((g3::lynx_decode_engine<lynx::plan_8_4_4>(model(), short_prompt, 600)));
 }
 

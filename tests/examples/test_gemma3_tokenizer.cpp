@@ -75,29 +75,69 @@ constexpr auto unknown = g3::token_type::unknown;
 
 // Ids of the tiny vocabulary below, by name.
 enum : std::int32_t {
-  pad = 0, eos, bos, unk, eot,
-  nl, nl2, sp2, end_s,  // user-defined "\n", "\n\n", "  ", "</s>" (the last becomes control)
-  x_c3, x_a9,           // byte tokens <0xC3>, <0xA9> (é = C3 A9); no other byte has one
-  a, b, c, mark,        // "a", "b", "c", "▁"
-  ab, bc, aa, ba, mark_a, mark_ab, mark_b,
-  lt, gt, slash, s,     // "<", ">", "/", "s": the characters of control pieces
+  pad = 0,
+  eos,
+  bos,
+  unk,
+  eot,
+  nl,
+  nl2,
+  sp2,
+  end_s,  // user-defined "\n", "\n\n", "  ", "</s>" (the last becomes control)
+  x_c3,
+  x_a9,  // byte tokens <0xC3>, <0xA9> (é = C3 A9); no other byte has one
+  a,
+  b,
+  c,
+  mark,  // "a", "b", "c", "▁"
+  ab,
+  bc,
+  aa,
+  ba,
+  mark_a,
+  mark_ab,
+  mark_b,
+  lt,
+  gt,
+  slash,
+  s,  // "<", ">", "/", "s": the characters of control pieces
   tiny_size
 };
 
 // Scores: higher merges first. "bc" beats "ab"; "ab" and "ba" tie.
 std::vector<entry> tiny_vocab() {
   return {
-      {"<pad>", 0, control},       {"<eos>", 0, control},   {"<bos>", 0, control},
-      {"<unk>", 0, unknown},       {"<end_of_turn>", 0, control},
-      {"\n", 0, user_defined},     {"\n\n", 0, user_defined},
-      {"  ", 0, user_defined},     {"</s>", 0, user_defined},
-      {"<0xC3>", 0, byte},         {"<0xA9>", 0, byte},
-      {"a", -100, normal},         {"b", -101, normal},     {"c", -102, normal},
+      {"<pad>", 0, control},
+      {"<eos>", 0, control},
+      {"<bos>", 0, control},
+      {"<unk>", 0, unknown},
+      {"<end_of_turn>", 0, control},
+      {"\n", 0, user_defined},
+      {"\n\n", 0, user_defined},
+      {"  ", 0, user_defined},
+      {"</s>", 0, user_defined},
+      {"<0xC3>", 0, byte},
+      {"<0xA9>", 0, byte},
+      {"a", -100, normal},
+      {"b", -101, normal},
+      {"c", -102, normal},
       {"\xE2\x96\x81", -103, normal},
-      {"ab", -5, normal},          {"bc", -3, normal},      {"aa", -4, normal},
-      {"ba", -5, normal},          {"\xE2\x96\x81" "a", -6, normal},
-      {"\xE2\x96\x81" "ab", -7, normal}, {"\xE2\x96\x81" "b", -8, normal},
-      {"<", -110, normal},         {">", -111, normal},     {"/", -112, normal},
+      {"ab", -5, normal},
+      {"bc", -3, normal},
+      {"aa", -4, normal},
+      {"ba", -5, normal},
+      {"\xE2\x96\x81"
+       "a",
+       -6, normal},
+      {"\xE2\x96\x81"
+       "ab",
+       -7, normal},
+      {"\xE2\x96\x81"
+       "b",
+       -8, normal},
+      {"<", -110, normal},
+      {">", -111, normal},
+      {"/", -112, normal},
       {"s", -113, normal},
   };
 }
@@ -119,11 +159,13 @@ const g3::tokenizer& tiny() {
 // user-defined pieces (leftmost, longest), escape spaces, split into UTF-8
 // characters, then repeatedly merge the best adjacent pair found by scanning
 // them all (highest score, leftmost on ties), then byte fallback.
-ids quadratic_encode(const g3::tokenizer& t, std::string_view text, const std::vector<entry>& vocab) {
+ids quadratic_encode(const g3::tokenizer& t, std::string_view text,
+                     const std::vector<entry>& vocab) {
   ids out;
   auto encode_stretch = [&](std::string_view raw) {
     std::string escaped;
-    for (const char ch : raw) escaped += ch == ' ' ? std::string("\xE2\x96\x81") : std::string(1, ch);
+    for (const char ch : raw)
+      escaped += ch == ' ' ? std::string("\xE2\x96\x81") : std::string(1, ch);
     std::vector<std::string> parts;
     for (std::size_t i = 0; i < escaped.size();) {
       const auto lead = static_cast<unsigned char>(escaped[i]);
@@ -267,13 +309,16 @@ TEST_CASE("tiny vocabulary: pieces and decode") {
   CHECK(t.piece(sp2) == "  ");
   CHECK(t.piece(bos).empty());
   CHECK(t.piece(unk).empty());
-  CHECK(t.stored_piece(mark_ab) == "\xE2\x96\x81" "ab");
+  CHECK(t.stored_piece(mark_ab) ==
+        "\xE2\x96\x81"
+        "ab");
   CHECK(t.decode(ids{bos, a, mark_b, nl, x_c3, x_a9, eos}) == "a b\n\xC3\xA9");
   CHECK(t.decode(ids{}).empty());
   CHECK(t.vocab_size() == tiny_size);
   CHECK(t.bos() == bos);
   CHECK(t.eos() == eos);
-  CHECK(t.find("\xE2\x96\x81" "ab") == mark_ab);
+  CHECK(t.find("\xE2\x96\x81"
+               "ab") == mark_ab);
   CHECK_FALSE(t.find("abc").has_value());
 }
 
@@ -300,10 +345,9 @@ TEST_CASE("tiny vocabulary: a vocabulary it cannot use is refused, saying why") 
                     doctest::Contains("token 1 has type 7"));
   CHECK_THROWS_WITH((void)g3::tokenizer(pieces, scores, std::vector<std::int32_t>{6, 1, 6}, none),
                     doctest::Contains("byte token 0 is 'a'"));
-  CHECK_THROWS_WITH(
-      (void)g3::tokenizer(std::vector<std::string_view>{}, std::vector<float>{},
-                          std::vector<std::int32_t>{}, none),
-      doctest::Contains("empty"));
+  CHECK_THROWS_WITH((void)g3::tokenizer(std::vector<std::string_view>{}, std::vector<float>{},
+                                        std::vector<std::int32_t>{}, none),
+                    doctest::Contains("empty"));
   g3::special_tokens far;
   far.bos = 3;
   CHECK_THROWS_WITH((void)g3::tokenizer(pieces, scores, types, far),
@@ -333,8 +377,10 @@ TEST_CASE("tiny vocabulary: copies and moves keep working") {
   CHECK(moved.encode(" ab\nabc") == ids{bos, mark_ab, nl, a, bc});
 }
 
-TEST_CASE("tiny vocabulary: the heap merge equals the quadratic specification; decode inverts encode") {
-  const std::vector<std::string_view> alphabet{"a", "b", "c", " ", "\n", "\xC3\xA9", "\xC3\xBC", "<", "s"};
+TEST_CASE(
+    "tiny vocabulary: the heap merge equals the quadratic specification; decode inverts encode") {
+  const std::vector<std::string_view> alphabet{"a",        "b",        "c", " ", "\n",
+                                               "\xC3\xA9", "\xC3\xBC", "<", "s"};
   std::mt19937 rng(20260101);
   for (int round = 0; round < 2000; ++round) {
     std::string text;
@@ -432,12 +478,13 @@ struct golden_case {
 const std::vector<golden_case>& golden() {
   static const std::vector<golden_case> cases = {
       {"plain sentence", "Hello world", {2, 9259, 1902}},
-      {"pangram", "The quick brown fox jumps over the lazy dog.",
+      {"pangram",
+       "The quick brown fox jumps over the lazy dog.",
        {2, 818, 3823, 8864, 37423, 38167, 1024, 506, 31770, 4799, 236761}},
       {"longer English",
        "Lynx streams the KV cache of a language model, the most significant bit plane first.",
-       {2, 164966, 236781, 25568, 506, 132182, 15612, 529, 496, 5192, 2028, 236764, 506, 1346,
-        3629, 3103, 8180, 1171, 236761}},
+       {2, 164966, 236781, 25568, 506, 132182, 15612, 529, 496, 5192, 2028, 236764, 506, 1346, 3629,
+        3103, 8180, 1171, 236761}},
       {"leading space", " leading space", {2, 5830, 2557}},
       {"trailing space", "trailing space ", {2, 136697, 2557, 236743}},
       {"two leading spaces", "  two leading spaces", {2, 138, 13498, 5830, 9952}},
@@ -448,37 +495,50 @@ const std::vector<golden_case>& golden() {
       {"40 spaces", "x                                        y", {2, 236781, 167, 145, 236762}},
       {"tabs", "tab\tseparated\t\tvalues", {2, 4823, 255968, 74010, 255969, 7558}},
       {"one newline", "line one\nline two", {2, 1257, 886, 107, 1257, 1156}},
-      {"newline runs", "a\n\nb\n\n\nc\n\n\n\nd", {2, 236746, 108, 236763, 109, 236755, 110, 236753}},
-      {"newline space combos", "x\n y\n  z \n\n w",
+      {"newline runs",
+       "a\n\nb\n\n\nc\n\n\n\nd",
+       {2, 236746, 108, 236763, 109, 236755, 110, 236753}},
+      {"newline space combos",
+       "x\n y\n  z \n\n w",
        {2, 236781, 107, 570, 107, 138, 236802, 236743, 108, 515}},
       {"newline then space", "\n ", {2, 107, 236743}},
       {"CRLF", "one\r\ntwo\r\n", {2, 811, 251, 107, 13498, 251, 107}},
       {"year", "2026", {2, 236778, 236771, 236778, 236825}},
       {"pi", "3.14159", {2, 236800, 236761, 236770, 236812, 236770, 236810, 236819}},
       {"space number", " 42", {2, 236743, 236812, 236778}},
-      {"numbers in text", "In 2026, 1,234,567 people paid $89.99 (about 12%).",
-       {2, 902, 236743, 236778, 236771, 236778, 236825, 236764, 236743, 236770, 236764, 236778,
-        236800, 236812, 236764, 236810, 236825, 236832, 1331, 6382, 609, 236828, 236819, 236761,
-        236819, 236819, 568, 9869, 236743, 236770, 236778, 37507}},
-      {"punctuation", "Punctuation: (a), [b], {c}; \"quoted\" - 'single'... !? #@&*",
-       {2, 236791, 23733, 3145, 236787, 568, 236746, 779, 870, 236763, 1604, 642, 236755, 3796,
-        623, 148758, 236775, 753, 756, 18999, 199036, 1717, 236881, 997, 236940, 202079}},
-      {"code", "def f(x):\n    return x**2  # square\n",
+      {"numbers in text",
+       "In 2026, 1,234,567 people paid $89.99 (about 12%).",
+       {2,      902,    236743, 236778, 236771, 236778, 236825, 236764, 236743, 236770, 236764,
+        236778, 236800, 236812, 236764, 236810, 236825, 236832, 1331,   6382,   609,    236828,
+        236819, 236761, 236819, 236819, 568,    9869,   236743, 236770, 236778, 37507}},
+      {"punctuation",
+       "Punctuation: (a), [b], {c}; \"quoted\" - 'single'... !? #@&*",
+       {2,      236791, 23733,  3145,   236787, 568, 236746, 779,    870,
+        236763, 1604,   642,    236755, 3796,   623, 148758, 236775, 753,
+        756,    18999,  199036, 1717,   236881, 997, 236940, 202079}},
+      {"code",
+       "def f(x):\n    return x**2  # square\n",
        {2, 2063, 517, 236769, 236781, 1473, 107, 140, 2060, 1123, 1018, 236778, 138, 236865, 6281,
         107}},
-      {"accents", "café naïve résumé Ångström",
+      {"accents",
+       "café naïve résumé Ångström",
        {2, 123125, 236859, 120362, 118515, 44667, 829, 80406}},
       {"CJK", "日本語のテキストと中文。", {2, 94951, 236945, 95830, 237032, 55041, 236924}},
-      {"emoji", "emoji 😀🚀 and 🦙!",  // 🦙 is not a piece: its 4 bytes are byte tokens
+      {"emoji",
+       "emoji 😀🚀 and 🦙!",  // 🦙 is not a piece: its 4 bytes are byte tokens
        {2, 67906, 163543, 242015, 532, 236743, 478, 397, 404, 391, 236888}},
-      {"rare characters", "\x01\x7f \uE000 🧬\U000E0100",  // C0 controls, private use, a variation selector
+      {"rare characters",
+       "\x01\x7f \uE000 🧬\U000E0100",  // C0 controls, private use, a variation selector
        {2, 249732, 251541, 236743, 245863, 236743, 253633, 481, 398, 370, 366}},
-      {"gemma chat markup", "<start_of_turn>user\nHi<end_of_turn>\n",
+      {"gemma chat markup",
+       "<start_of_turn>user\nHi<end_of_turn>\n",
        {2, 236820, 3041, 236779, 1340, 236779, 887, 236813, 2364, 107, 10979, 236820, 643, 236779,
         1340, 236779, 887, 236813, 107}},
-      {"HTML user-defined tags", "<b>bold</b> <table><tr><td>1</td></tr></table>",
+      {"HTML user-defined tags",
+       "<b>bold</b> <table><tr><td>1</td></tr></table>",
        {2, 200, 15640, 209, 236743, 168, 173, 175, 236770, 183, 181, 176}},
-      {"end tags as text", "a</s>b<eos>c",
+      {"end tags as text",
+       "a</s>b<eos>c",
        {2, 236746, 954, 236751, 236813, 236763, 236820, 211827, 236813, 236755}},
       {"empty", "", {2}},
       {"one space", " ", {2, 236743}},
@@ -488,10 +548,12 @@ const std::vector<golden_case>& golden() {
       // the first two bytes of the next '▁'; E2 takes 82 and the next '▁''s E2.
       // Those '▁' bytes come back as '▁', not as spaces: the one case here
       // where decode(encode(s)) != s. llama.cpp does the same.
-      {"invalid UTF-8", "bad \xff\xfe utf8 \xe2\x82 end \xc3",
+      {"invalid UTF-8",
+       "bad \xff\xfe utf8 \xe2\x82 end \xc3",
        {2, 15242, 236743, 493, 492, 464, 388, 367, 11365, 236828, 236743, 464, 368, 464, 388, 367,
         643, 236743, 433},
-       "bad \xff\xfe\xe2\x96\x81utf8 \xe2\x82\xe2\x96\x81" "end \xc3"},
+       "bad \xff\xfe\xe2\x96\x81utf8 \xe2\x82\xe2\x96\x81"
+       "end \xc3"},
   };
   return cases;
 }
@@ -520,8 +582,9 @@ TEST_CASE("Gemma 3 GGUF: the vocabulary and its special tokens") {
   CHECK(t.piece(212).empty());  // "</s>": user-defined in the file, ends generation
   CHECK(t.find("<start_of_turn>") == 105);
   CHECK(t.find("<end_of_turn>") == 106);
-  CHECK_THROWS_WITH((void)t.piece(262144),
-                    doctest::Contains("token id 262144 is outside the vocabulary of 262144 tokens"));
+  CHECK_THROWS_WITH(
+      (void)t.piece(262144),
+      doctest::Contains("token id 262144 is outside the vocabulary of 262144 tokens"));
 }
 
 TEST_CASE("Gemma 3 GGUF: golden ids from llama.cpp, and decode(encode(s)) == s") {

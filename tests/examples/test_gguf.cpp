@@ -10,6 +10,7 @@
 #include <gguf/dequant.hpp>
 #include <gguf/reader.hpp>
 
+#include <unistd.h>
 #include <bit>
 #include <cstddef>
 #include <cstdint>
@@ -19,7 +20,6 @@
 #include <string>
 #include <string_view>
 #include <type_traits>
-#include <unistd.h>
 #include <vector>
 
 namespace gguf = lynx_examples::gguf;
@@ -32,8 +32,8 @@ namespace {
 class temp_dir {
  public:
   temp_dir() {
-    path_ = std::filesystem::temp_directory_path() /
-            ("lynx_test_gguf_" + std::to_string(::getpid()));
+    path_ =
+        std::filesystem::temp_directory_path() / ("lynx_test_gguf_" + std::to_string(::getpid()));
     std::filesystem::create_directories(path_);
   }
   ~temp_dir() {
@@ -134,11 +134,11 @@ bool contains(const std::string& text, std::string_view part) {
 }
 
 // Checks that a message holds a part, showing the whole message when it does not.
-#define CHECK_CONTAINS(text, part)         \
-  do {                                     \
-    const std::string message_ = (text);   \
-    INFO("message: ", message_);           \
-    CHECK(contains(message_, part));       \
+#define CHECK_CONTAINS(text, part)       \
+  do {                                   \
+    const std::string message_ = (text); \
+    INFO("message: ", message_);         \
+    CHECK(contains(message_, part));     \
   } while (false)
 
 template <class F>
@@ -159,9 +159,9 @@ std::uint16_t fp16_bits(float x) { return lynx::fp16(x).bits; }
 constexpr float f32_values[6] = {1.0f, -2.5f, 3.25f, 0.0f, -0.0f, 1e-30f};
 constexpr std::uint16_t f16_values[4] = {0x3c00, 0xc000, 0x0001, 0x7bff};  // 1, -2, 2^-24, 65504
 constexpr std::int8_t q8_values[2][32] = {
-    {-128, -127, -1, 0, 1, 2, 3, 127, 10, 20, 30, 40, 50, 60, 70, 80,
-     -10, -20, -30, -40, -50, -60, -70, -80, 5, 6, 7, 8, 9, 11, 12, 13},
-    {1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3, 4, 4, 4, 4,
+    {-128, -127, -1,  0,   1,   2,   3,   127, 10, 20, 30, 40, 50, 60, 70, 80,
+     -10,  -20,  -30, -40, -50, -60, -70, -80, 5,  6,  7,  8,  9,  11, 12, 13},
+    {1,  1,  1,  1,  2,  2,  2,  2,  3,  3,  3,  3,  4,  4,  4,  4,
      -1, -1, -1, -1, -2, -2, -2, -2, -3, -3, -3, -3, -4, -4, -4, -4}};
 constexpr float q8_scales[2] = {0.5f, -0.125f};  // exact in fp16
 
@@ -183,8 +183,16 @@ gguf_bytes valid_file() {
   b.key("t.f64", value_type::f64).put<double>(0.1);
   b.key("t.strings", value_type::array).array(value_type::string, 3).str("a").str("").str("ccc");
   b.key("t.floats", value_type::array).array(value_type::f32, 3).put(0.5f).put(-2.0f).put(3.25f);
-  b.key("t.ints", value_type::array).array(value_type::i32, 3).put<std::int32_t>(1).put<std::int32_t>(-2).put<std::int32_t>(2147483647);
-  b.key("t.u8s", value_type::array).array(value_type::u8, 3).put<std::uint8_t>(7).put<std::uint8_t>(8).put<std::uint8_t>(255);
+  b.key("t.ints", value_type::array)
+      .array(value_type::i32, 3)
+      .put<std::int32_t>(1)
+      .put<std::int32_t>(-2)
+      .put<std::int32_t>(2147483647);
+  b.key("t.u8s", value_type::array)
+      .array(value_type::u8, 3)
+      .put<std::uint8_t>(7)
+      .put<std::uint8_t>(8)
+      .put<std::uint8_t>(255);
   b.key("t.nested", value_type::array).array(value_type::array, 2);
   b.array(value_type::i16, 2).put<std::int16_t>(1).put<std::int16_t>(-2);
   b.array(value_type::string, 1).str("x");
@@ -348,8 +356,9 @@ TEST_CASE("every prefix of a valid file is rejected, never a crash") {
   CHECK_CONTAINS(cut(6), "truncated file at offset 4 reading version: need 4 bytes, 2 left");
   CHECK_CONTAINS(cut(10), "truncated file at offset 8 reading tensor count: need 8 bytes, 2 left");
   // 20 keys need at least 20 x 13 bytes: a shorter rest fails before the first key
-  CHECK_CONTAINS(cut(24 + 2), "gguf: metadata count at offset 24 claims 20 entries of at least 13 bytes "
-                              "each, but only 2 bytes are left");
+  CHECK_CONTAINS(cut(24 + 2),
+                 "gguf: metadata count at offset 24 claims 20 entries of at least 13 bytes "
+                 "each, but only 2 bytes are left");
   // Cuts in the last key (general.alignment, key 19) and in the tensor table.
   auto at = [&](std::string_view text) {  // offset of a string's u64 length field
     const auto* p = reinterpret_cast<const char*>(bytes.data());
@@ -362,16 +371,22 @@ TEST_CASE("every prefix of a valid file is rejected, never a crash") {
                                    " reading metadata key 19 (length): need 8 bytes, 3 left");
   CHECK_CONTAINS(cut(key + 8 + 5), "truncated file at offset " + std::to_string(key + 8) +
                                        " reading metadata key 19: need 17 bytes, 5 left");
-  CHECK_CONTAINS(cut(key + 8 + 17 + 1), "reading metadata key 19 'general.alignment' (type): need 4 "
-                                        "bytes, 1 left");
-  CHECK_CONTAINS(cut(key + 8 + 17 + 4 + 2), "reading metadata key 19 'general.alignment' (value): "
-                                            "need 4 bytes, 2 left");
+  CHECK_CONTAINS(cut(key + 8 + 17 + 1),
+                 "reading metadata key 19 'general.alignment' (type): need 4 "
+                 "bytes, 1 left");
+  CHECK_CONTAINS(cut(key + 8 + 17 + 4 + 2),
+                 "reading metadata key 19 'general.alignment' (value): "
+                 "need 4 bytes, 2 left");
   const std::size_t tensor = at("w.f16");
-  CHECK_CONTAINS(cut(tensor + 8 + 5 + 2), "truncated file at offset " + std::to_string(tensor + 13) +
-                                              " reading tensor 1 'w.f16' (n_dims): need 4 bytes, 2 left");
-  CHECK_CONTAINS(cut(tensor + 8 + 5 + 4 + 7), "reading tensor 1 'w.f16' (dim 0): need 8 bytes, 7 left");
-  CHECK_CONTAINS(cut(tensor + 8 + 5 + 4 + 8), "reading tensor 1 'w.f16' (type): need 4 bytes, 0 left");
-  CHECK_CONTAINS(cut(tensor + 8 + 5 + 4 + 8 + 4 + 1), "reading tensor 1 'w.f16' (offset): need 8 bytes");
+  CHECK_CONTAINS(cut(tensor + 8 + 5 + 2),
+                 "truncated file at offset " + std::to_string(tensor + 13) +
+                     " reading tensor 1 'w.f16' (n_dims): need 4 bytes, 2 left");
+  CHECK_CONTAINS(cut(tensor + 8 + 5 + 4 + 7),
+                 "reading tensor 1 'w.f16' (dim 0): need 8 bytes, 7 left");
+  CHECK_CONTAINS(cut(tensor + 8 + 5 + 4 + 8),
+                 "reading tensor 1 'w.f16' (type): need 4 bytes, 0 left");
+  CHECK_CONTAINS(cut(tensor + 8 + 5 + 4 + 8 + 4 + 1),
+                 "reading tensor 1 'w.f16' (offset): need 8 bytes");
   const std::string last = cut(bytes.size() - 1);
   CHECK_CONTAINS(last, "tensor 'w.q8_0' data [");
   CHECK_CONTAINS(last, "lies outside the file (" + std::to_string(bytes.size() - 1) + " bytes)");
@@ -393,8 +408,10 @@ TEST_CASE("random byte changes of a valid file: a file or a format_error, never 
     for (int k = 0; k < changes; ++k) {
       const std::size_t at = next() % bytes.size();
       // mostly small edits (counts and lengths off by a little), sometimes any byte
-      bytes[at] = next() % 4 == 0 ? static_cast<std::byte>(next())
-                                  : static_cast<std::byte>(static_cast<unsigned>(bytes[at]) ^ (1u << (next() % 8)));
+      bytes[at] =
+          next() % 4 == 0
+              ? static_cast<std::byte>(next())
+              : static_cast<std::byte>(static_cast<unsigned>(bytes[at]) ^ (1u << (next() % 8)));
     }
     const auto path = write_file("mutated.gguf", bytes.data(), bytes.size());
     try {
@@ -433,7 +450,10 @@ TEST_CASE("random byte changes of a valid file: a file or a format_error, never 
 
 TEST_CASE("bad magic and bad versions") {
   gguf_bytes magic;
-  magic.put<std::uint32_t>(0x58554747u).put<std::uint32_t>(3).put<std::uint64_t>(0).put<std::uint64_t>(0);
+  magic.put<std::uint32_t>(0x58554747u)
+      .put<std::uint32_t>(3)
+      .put<std::uint64_t>(0)
+      .put<std::uint64_t>(0);
   CHECK_CONTAINS(open_error(magic), "gguf: bad magic at offset 0: 'GGUX', expected 'GGUF'");
   gguf_bytes v1;
   v1.header(0, 0, 1);
@@ -453,42 +473,57 @@ TEST_CASE("huge counts fail fast, before any allocation") {
   gguf_bytes tensors;
   tensors.header(std::uint64_t{1} << 62, 0);
   REQUIRE(tensors.size() == 24);
-  CHECK_CONTAINS(open_error(tensors),
-                 "gguf: tensor count at offset 24 claims 4611686018427387904 entries of at least 24 "
-                 "bytes each, but only 0 bytes are left");
+  CHECK_CONTAINS(
+      open_error(tensors),
+      "gguf: tensor count at offset 24 claims 4611686018427387904 entries of at least 24 "
+      "bytes each, but only 0 bytes are left");
   gguf_bytes kvs;
   kvs.header(0, std::uint64_t{1} << 60).put<std::uint64_t>(0);
   CHECK_CONTAINS(open_error(kvs), "metadata count at offset 24 claims 1152921504606846976 entries");
 
   gguf_bytes bytes_array;
-  bytes_array.header(0, 1).key("k", value_type::array).array(value_type::u8, std::uint64_t{1} << 60);
-  CHECK_CONTAINS(open_error(bytes_array),
-                 "metadata key 0 'k' (array of uint8) at offset 49 claims 1152921504606846976 entries "
-                 "of at least 1 bytes each, but only 0 bytes are left");
+  bytes_array.header(0, 1)
+      .key("k", value_type::array)
+      .array(value_type::u8, std::uint64_t{1} << 60);
+  CHECK_CONTAINS(
+      open_error(bytes_array),
+      "metadata key 0 'k' (array of uint8) at offset 49 claims 1152921504606846976 entries "
+      "of at least 1 bytes each, but only 0 bytes are left");
   gguf_bytes strings_array;
   strings_array.header(0, 1).key("k", value_type::array).array(value_type::string, 1000).str("x");
-  CHECK_CONTAINS(open_error(strings_array), "claims 1000 entries of at least 8 bytes each, but only 9");
+  CHECK_CONTAINS(open_error(strings_array),
+                 "claims 1000 entries of at least 8 bytes each, but only 9");
   gguf_bytes nested_array;
-  nested_array.header(0, 1).key("k", value_type::array).array(value_type::array, std::uint64_t{1} << 61);
-  CHECK_CONTAINS(open_error(nested_array), "(array of array) at offset 49 claims 2305843009213693952");
+  nested_array.header(0, 1)
+      .key("k", value_type::array)
+      .array(value_type::array, std::uint64_t{1} << 61);
+  CHECK_CONTAINS(open_error(nested_array),
+                 "(array of array) at offset 49 claims 2305843009213693952");
 }
 
 TEST_CASE("lengths beyond the file") {
   gguf_bytes key;
   key.header(0, 1).put<std::uint64_t>(1000000000000ull).put<std::uint64_t>(0).put<std::uint32_t>(0);
-  CHECK_CONTAINS(open_error(key),
-                 "gguf: truncated file at offset 32 reading metadata key 0: need 1000000000000 bytes, "
-                 "12 left");
+  CHECK_CONTAINS(
+      open_error(key),
+      "gguf: truncated file at offset 32 reading metadata key 0: need 1000000000000 bytes, "
+      "12 left");
   gguf_bytes value;
   value.header(0, 1).key("k", value_type::string).put<std::uint64_t>(100).raw("abc", 3);
-  CHECK_CONTAINS(open_error(value),
-                 "truncated file at offset 45 reading metadata key 0 'k' (value): need 100 bytes, 3 left");
+  CHECK_CONTAINS(
+      open_error(value),
+      "truncated file at offset 45 reading metadata key 0 'k' (value): need 100 bytes, 3 left");
   gguf_bytes element;
   element.header(0, 1).key("k", value_type::array).array(value_type::string, 2).str("ok");
   element.put<std::uint64_t>(~std::uint64_t{0}).raw("abcdefgh", 8);
-  CHECK_CONTAINS(open_error(element), "reading metadata key 0 'k' element 1: need 18446744073709551615 bytes");
+  CHECK_CONTAINS(open_error(element),
+                 "reading metadata key 0 'k' element 1: need 18446744073709551615 bytes");
   gguf_bytes name;
-  name.header(1, 0).put<std::uint64_t>(50).raw("short", 5).put<std::uint64_t>(0).put<std::uint64_t>(0);
+  name.header(1, 0)
+      .put<std::uint64_t>(50)
+      .raw("short", 5)
+      .put<std::uint64_t>(0)
+      .put<std::uint64_t>(0);
   CHECK_CONTAINS(open_error(name), "reading tensor 0 name: need 50 bytes, 21 left");
 }
 
@@ -497,10 +532,17 @@ TEST_CASE("malformed metadata") {
   type.header(0, 1).key("k", static_cast<value_type>(13)).put<std::uint64_t>(0);
   CHECK_CONTAINS(open_error(type), "metadata key 0 'k' at offset 33 has unknown value type 13");
   gguf_bytes element_type;
-  element_type.header(0, 1).key("k", value_type::array).put<std::uint32_t>(99).put<std::uint64_t>(0);
+  element_type.header(0, 1)
+      .key("k", value_type::array)
+      .put<std::uint32_t>(99)
+      .put<std::uint64_t>(0);
   CHECK_CONTAINS(open_error(element_type), "has unknown array element type 99");
   gguf_bytes duplicate;
-  duplicate.header(0, 2).key("k", value_type::u8).put<std::uint8_t>(1).key("k", value_type::u8).put<std::uint8_t>(2);
+  duplicate.header(0, 2)
+      .key("k", value_type::u8)
+      .put<std::uint8_t>(1)
+      .key("k", value_type::u8)
+      .put<std::uint8_t>(2);
   CHECK_CONTAINS(open_error(duplicate), "duplicate metadata key 'k' at offset 38");
   gguf_bytes deep;
   deep.header(0, 1).key("k", value_type::array);
@@ -509,20 +551,26 @@ TEST_CASE("malformed metadata") {
   CHECK_CONTAINS(open_error(deep), "arrays nested deeper than 16");
   gguf_bytes alignment;
   alignment.header(0, 1).key("general.alignment", value_type::u32).put<std::uint32_t>(24);
-  CHECK_CONTAINS(open_error(alignment), "general.alignment at offset 53 is 24, expected a power of two");
+  CHECK_CONTAINS(open_error(alignment),
+                 "general.alignment at offset 53 is 24, expected a power of two");
   gguf_bytes alignment_type;
   alignment_type.header(0, 1).key("general.alignment", value_type::string).str("32");
   CHECK_CONTAINS(open_error(alignment_type), "'general.alignment' is string, expected an integer");
   gguf_bytes odd_key;
   odd_key.header(0, 1).str(std::string_view("a\nb\x01", 4)).put<std::uint32_t>(77);
-  CHECK_CONTAINS(open_error(odd_key), "metadata key 0 'a\\x0ab\\x01' at offset 36 has unknown value type 77");
+  CHECK_CONTAINS(open_error(odd_key),
+                 "metadata key 0 'a\\x0ab\\x01' at offset 36 has unknown value type 77");
 
   // Values checked when read: a bool byte other than 0/1, an integer too big for int32.
   gguf_bytes values;
   values.header(0, 2).key("b", value_type::boolean).put<std::uint8_t>(2);
-  values.key("big", value_type::array).array(value_type::u32, 2).put<std::uint32_t>(5).put<std::uint32_t>(3000000000u);
+  values.key("big", value_type::array)
+      .array(value_type::u32, 2)
+      .put<std::uint32_t>(5)
+      .put<std::uint32_t>(3000000000u);
   const gguf::file f(write_file("values.gguf", values));
-  CHECK_CONTAINS(error_of([&] { (void)f.get_bool("b"); }), "metadata key 'b' at offset 37 is a bool holding 2");
+  CHECK_CONTAINS(error_of([&] { (void)f.get_bool("b"); }),
+                 "metadata key 'b' at offset 37 is a bool holding 2");
   CHECK_CONTAINS(error_of([&] { (void)f.get_int_array("big"); }),
                  "metadata key 'big' element 1 (uint32 3000000000) does not fit in int32");
 }
@@ -570,8 +618,9 @@ TEST_CASE("an unknown tensor type is an error only when its data is asked for") 
   CHECK(static_cast<std::uint32_t>(odd.type) == 39);
   CHECK(odd.bytes == 0);
   CHECK(gguf::type_name(odd.type) == "unknown");
-  CHECK_CONTAINS(error_of([&] { (void)f.data(odd); }),
-                 "tensor 'odd' has type 39 (unknown), whose block layout this reader does not know");
+  CHECK_CONTAINS(
+      error_of([&] { (void)f.data(odd); }),
+      "tensor 'odd' has type 39 (unknown), whose block layout this reader does not know");
   CHECK_THROWS_AS((void)f.data(odd), gguf::format_error);
   CHECK_CONTAINS(error_of([&] { (void)gguf::dequantize(f, odd); }), "type 39 (unknown)");
   CHECK(gguf::dequantize(f, f.tensor("w")) == std::vector<float>{1.0f, 2.0f});
@@ -669,7 +718,7 @@ TEST_CASE("Q5_0: x = d * (q - 16), 5th bits in qh") {
   lcg rng(2);
   int q[32];
   for (int& v : q) v = rng.next(32);
-  q[0] = 31;  // 5th bit set, low nibble 15
+  q[0] = 31;   // 5th bit set, low nibble 15
   q[17] = 16;  // 5th bit set (bit 17 of qh), high nibble of qs[1] zero
   q[3] = 0;
   std::byte block[22];
@@ -683,9 +732,9 @@ TEST_CASE("Q5_0: x = d * (q - 16), 5th bits in qh") {
   float out[32];
   gguf::dequantize_row(tensor_type::q5_0, block, out, 32);
   for (int i = 0; i < 32; ++i) CHECK(out[i] == d * static_cast<float>(q[i] - 16));
-  CHECK(out[0] == 3.75f);   // (31 - 16) * 0.25
-  CHECK(out[17] == 0.0f);   // (16 - 16) * 0.25
-  CHECK(out[3] == -4.0f);   // (0 - 16) * 0.25
+  CHECK(out[0] == 3.75f);  // (31 - 16) * 0.25
+  CHECK(out[17] == 0.0f);  // (16 - 16) * 0.25
+  CHECK(out[3] == -4.0f);  // (0 - 16) * 0.25
 }
 
 TEST_CASE("Q4_K: x = d * scale * q - dmin * min, 6-bit scales and mins") {
@@ -738,9 +787,9 @@ TEST_CASE("Q6_K: x = d * scale * (q - 32), 4 low + 2 high bits, int8 scales") {
   for (int& v : q) v = rng.next(64);
   for (int& v : scale) v = rng.next(256) - 128;
   scale[0] = -128;
-  q[0] = 63;    // low nibble 15 in ql[0], high bits 3 in qh[0] bits 0-1
+  q[0] = 63;  // low nibble 15 in ql[0], high bits 3 in qh[0] bits 0-1
   scale[7] = 5;
-  q[113] = 0;   // half 0, value 96 + 17: high nibble of ql[49], bits 6-7 of qh[17]
+  q[113] = 0;  // half 0, value 96 + 17: high nibble of ql[49], bits 6-7 of qh[17]
   scale[15] = 127;
   q[255] = 33;  // half 1, value 96 + 31
   const float d = 0.5f;
@@ -749,12 +798,15 @@ TEST_CASE("Q6_K: x = d * scale * (q - 32), 4 low + 2 high bits, int8 scales") {
     const int* v = q + 128 * half;
     for (int l = 0; l < 32; ++l) {
       block[64 * half + l] = static_cast<std::byte>((v[l] & 15) | ((v[l + 64] & 15) << 4));
-      block[64 * half + l + 32] = static_cast<std::byte>((v[l + 32] & 15) | ((v[l + 96] & 15) << 4));
-      block[128 + 32 * half + l] = static_cast<std::byte>((v[l] >> 4) | ((v[l + 32] >> 4) << 2) |
-                                                          ((v[l + 64] >> 4) << 4) | ((v[l + 96] >> 4) << 6));
+      block[64 * half + l + 32] =
+          static_cast<std::byte>((v[l + 32] & 15) | ((v[l + 96] & 15) << 4));
+      block[128 + 32 * half + l] =
+          static_cast<std::byte>((v[l] >> 4) | ((v[l + 32] >> 4) << 2) | ((v[l + 64] >> 4) << 4) |
+                                 ((v[l + 96] >> 4) << 6));
     }
   }
-  for (int k = 0; k < 16; ++k) block[192 + k] = static_cast<std::byte>(static_cast<std::int8_t>(scale[k]));
+  for (int k = 0; k < 16; ++k)
+    block[192 + k] = static_cast<std::byte>(static_cast<std::int8_t>(scale[k]));
   put_half(block + 208, fp16_bits(d));
   float out[256];
   gguf::dequantize_row(tensor_type::q6_k, block, out, 256);
@@ -762,9 +814,9 @@ TEST_CASE("Q6_K: x = d * scale * (q - 32), 4 low + 2 high bits, int8 scales") {
     CAPTURE(i);
     CHECK(out[i] == d * static_cast<float>(scale[i / 16]) * static_cast<float>(q[i] - 32));
   }
-  CHECK(out[0] == -1984.0f);   // 0.5 * -128 * 31
-  CHECK(out[113] == -80.0f);   // 0.5 * 5 * -32
-  CHECK(out[255] == 63.5f);    // 0.5 * 127 * 1
+  CHECK(out[0] == -1984.0f);  // 0.5 * -128 * 31
+  CHECK(out[113] == -80.0f);  // 0.5 * 5 * -32
+  CHECK(out[255] == 63.5f);   // 0.5 * 127 * 1
 }
 
 TEST_CASE("dequantize_row decodes consecutive blocks of a longer row") {
@@ -772,9 +824,9 @@ TEST_CASE("dequantize_row decodes consecutive blocks of a longer row") {
   std::byte blocks[288] = {};
   put_half(blocks, fp16_bits(1.0f));
   put_half(blocks + 144, fp16_bits(2.0f));
-  blocks[4] = std::byte{1};        // scale 1 for sub-block 0 of each block
+  blocks[4] = std::byte{1};  // scale 1 for sub-block 0 of each block
   blocks[144 + 4] = std::byte{1};
-  blocks[16] = std::byte{7};       // q = 7 for value 0
+  blocks[16] = std::byte{7};  // q = 7 for value 0
   blocks[144 + 16] = std::byte{7};
   float out[512];
   gguf::dequantize_row(tensor_type::q4_k, blocks, out, 512);

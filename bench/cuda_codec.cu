@@ -78,13 +78,15 @@ void bm_cuda_reconstruct(benchmark::State& state) {
   lynx::cuda::device_buffer keys_out(layer.keys.size()), values_out(layer.values.size());
   const auto encoded = lynx::cuda::encode<Plan, 32, lynx::bf16>(
       layer.view<const lynx::bf16>(layer.keys), layer.view<const lynx::bf16>(layer.values), 0);
-  // a view straight over the device segments' payloads (what a device tensor holds after accept)
-  lynx::bitplane_view<Plan, 32, lynx::device_space> view;
-  view.geometry = encoded.geometry();
-  view.level = level;
-  for (int s = 0; s < Plan::streams; ++s)
-    view.payload[static_cast<std::size_t>(s)] =
-        encoded.segment(s).data + lynx::segment_header_bytes;
+  // the segments as a device receiver holds them after accept (parameters expanded)
+  lynx::device_bitplane_tensor<Plan, 32> tensor(encoded.geometry().shape(), 0);
+  for (int s = 0; s < Plan::streams; ++s) {
+    std::vector<std::byte> host(encoded.segment(s).size);
+    lynx::cuda::stage_to_host(encoded.segment(s), host);
+    tensor.accept(host);
+  }
+  LYNX_CUDA_CHECK(cudaStreamSynchronize(tensor.stream()));
+  const auto view = tensor.view_at(level);
   const auto k = layer.view<lynx::bf16>(keys_out);
   const auto v = layer.view<lynx::bf16>(values_out);
   lynx_bench::cuda_timed_loop(state, static_cast<double>(kv_bytes(state.range(0))),

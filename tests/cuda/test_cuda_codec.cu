@@ -434,7 +434,7 @@ TEST_CASE("device encode_async sizes its workspace first, then runs without allo
   std::array<lynx::cuda::device_bytes, 2> none{};
   CHECK(lynx::cuda::encode_async<plan_8_4_4, 32, fp16>(nullptr, bytes, dv, dv, 0, none) ==
         cudaSuccess);
-  CHECK(bytes == lynx::cuda::encode_workspace_bytes);
+  CHECK(bytes == lynx::cuda::encode_workspace_bytes(g));
   lynx::cuda::device_buffer workspace(bytes), s0(segment_bytes(g, 0)), s1(segment_bytes(g, 1));
   std::array<lynx::cuda::device_bytes, 2> out{s0.bytes(), s1.bytes()};
   CHECK(lynx::cuda::encode_async<plan_8_4_4, 32, fp16>(workspace.data(), bytes, dv, dv, 0, out) ==

@@ -218,14 +218,20 @@ struct reference_layout {
   [[nodiscard]] std::int64_t value_groups() const { return D / value_group; }
   [[nodiscard]] std::int64_t key_params() const { return H * key_groups() * D; }
   [[nodiscard]] std::int64_t value_params() const { return H * T * value_groups(); }
-  [[nodiscard]] std::int64_t key_scale_at() const { return 0; }
-  [[nodiscard]] std::int64_t key_zero_at() const { return align64(key_params() * 4); }
-  [[nodiscard]] std::int64_t value_scale_at() const { return 2 * align64(key_params() * 4); }
-  [[nodiscard]] std::int64_t value_zero_at() const {
-    return value_scale_at() + align64(value_params() * 4);
+  // Parameter sections of the anchor: bf16 (2 bytes) on the wire; `bytes` = 4
+  // gives the receivers' expanded float block of the same shape.
+  [[nodiscard]] std::int64_t key_scale_at(std::int64_t bytes = 2) const { return 0 * bytes; }
+  [[nodiscard]] std::int64_t key_zero_at(std::int64_t bytes = 2) const {
+    return align64(key_params() * bytes);
   }
-  [[nodiscard]] std::int64_t params_end() const {
-    return value_zero_at() + align64(value_params() * 4);
+  [[nodiscard]] std::int64_t value_scale_at(std::int64_t bytes = 2) const {
+    return 2 * align64(key_params() * bytes);
+  }
+  [[nodiscard]] std::int64_t value_zero_at(std::int64_t bytes = 2) const {
+    return value_scale_at(bytes) + align64(value_params() * bytes);
+  }
+  [[nodiscard]] std::int64_t params_end(std::int64_t bytes = 2) const {
+    return value_zero_at(bytes) + align64(value_params() * bytes);
   }
   [[nodiscard]] std::int64_t words(int s) const {
     return H * blocks() * widths[static_cast<std::size_t>(s)] * D;
@@ -262,10 +268,10 @@ struct decoded_layer {
   std::int64_t nonzero_padding_bits = 0;  // plane bits of tokens past the end (must be 0)
 };
 
-float read_float(const std::byte* p, std::int64_t i) {
-  float f;
-  std::memcpy(&f, p + 4 * i, 4);
-  return f;
+float read_bf16(const std::byte* p, std::int64_t i) {  // bf16: the top half of a float
+  std::uint16_t b;
+  std::memcpy(&b, p + 2 * i, 2);
+  return std::bit_cast<float>(static_cast<std::uint32_t>(b) << 16);
 }
 std::uint32_t read_word(const std::byte* p, std::int64_t i) {
   std::uint32_t w;
@@ -280,7 +286,7 @@ decoded_layer decode_reference(const reference_layout& L,
   auto read_floats = [&](std::int64_t at, std::int64_t n) {
     std::vector<float> v(static_cast<std::size_t>(n));
     for (std::int64_t i = 0; i < n; ++i)
-      v[static_cast<std::size_t>(i)] = read_float(anchor + at, i);
+      v[static_cast<std::size_t>(i)] = read_bf16(anchor + at, i);
     return v;
   };
   d.key_scale = read_floats(L.key_scale_at(), L.key_params());
@@ -414,15 +420,22 @@ void check_codes(const char* what, const reference_layout& L, const std::vector<
                  const std::vector<float>& zero, const std::vector<std::uint32_t>& codes, bool keys,
                  failure_log& log) {
   const double max_code = std::ldexp(1.0, L.bits) - 1.0;
+  const auto is_bf16 = [](float f) { return (std::bit_cast<std::uint32_t>(f) & 0xffffu) == 0u; };
   for (std::size_t i = 0; i < e.lo.size(); ++i) {
-    const float lo = static_cast<float>(e.lo[i]), hi = static_cast<float>(e.hi[i]);
-    if (!(zero[i] == lo))
-      log.fail(what, " group ", i, ": zero ", zero[i], " is not the group minimum ", lo);
-    if (hi - lo < lynx::min_group_range) {
+    // zero: the group minimum rounded down to a bf16 value (bf16 subnormals are 2^-133 apart)
+    const float lo = static_cast<float>(e.lo[i]);
+    if (!(is_bf16(zero[i]) && zero[i] <= lo &&
+          static_cast<double>(lo) - zero[i] <= std::max(0x1.0p-7 * std::fabs(e.lo[i]), 0x1.0p-133)))
+      log.fail(what, " group ", i, ": zero ", zero[i], " is not the group minimum ", lo,
+               " rounded down to bf16");
+    const double covered = e.hi[i] - zero[i];  // the bins must span [zero, max]
+    if (static_cast<float>(covered) < lynx::min_group_range) {
       if (scale[i] != 0.0f) log.fail(what, " group ", i, ": constant group with scale ", scale[i]);
     } else {
-      const double reference = (e.hi[i] - e.lo[i]) / max_code;
-      if (!(std::fabs(scale[i] - reference) <= 0x1.0p-22 * reference))
+      // scale: covered / (2^B - 1) rounded up to bf16 (8 significant bits)
+      const double reference = covered / max_code;
+      if (!(is_bf16(scale[i]) && scale[i] >= reference * (1.0 - 0x1.0p-22) &&
+            scale[i] <= reference * (1.0 + 0x1.0p-7)))
         log.fail(what, " group ", i, ": scale ", scale[i], " vs fp64 ", reference);
     }
   }
@@ -440,9 +453,9 @@ void check_codes(const char* what, const reference_layout& L, const std::vector<
             log.fail(what, " (t=", t, ", h=", h, ", c=", c, "): constant group with code ", code);
           continue;
         }
-        const double range = e.hi[g] - e.lo[g];
-        const double position = (v - e.lo[g]) / (range / max_code);
-        const double slack = 0x1.0p-20 * (std::fabs(e.lo[g]) + range) / (range / max_code);
+        const double range = e.hi[g] - zero[g];
+        const double position = (v - zero[g]) / scale[g];
+        const double slack = 0x1.0p-20 * (std::fabs(e.lo[g]) + range) / scale[g];
         if (!(std::fabs(code - position) <= 0.5 + slack))
           log.fail(what, " (t=", t, ", h=", h, ", c=", c, "): code ", code, " for fp64 position ",
                    position);
@@ -457,7 +470,6 @@ void check_reconstruction(const char* what, const reference_layout& L, int plane
                           const std::vector<std::uint32_t>& codes, const std::vector<float>& r,
                           bool keys, failure_log& log) {
   const int missing = L.bits - planes;
-  const double max_code = std::ldexp(1.0, L.bits) - 1.0;
   for (std::int64_t t = 0; t < L.T; ++t)
     for (std::int64_t h = 0; h < L.H; ++h)
       for (std::int64_t c = 0; c < L.D; ++c) {
@@ -477,7 +489,7 @@ void check_reconstruction(const char* what, const reference_layout& L, int plane
         if (!(std::fabs(got - exact) <= 0.5 * spacing))
           log.fail(what, " planes=", planes, " (t=", t, ", h=", h, ", c=", c, "): ", got,
                    " is not the rounded midpoint ", exact);
-        const double range = e.hi[g] - e.lo[g];
+        const double range = e.hi[g] - zero[g];
         const double err = std::fabs(static_cast<double>(got) - x[i]);
         if (scale[g] == 0.0f) {
           if (!(got == zero[g]) || !(err <= range))
@@ -485,7 +497,8 @@ void check_reconstruction(const char* what, const reference_layout& L, int plane
                      "): constant group gives ", got);
           continue;
         }
-        const double bound = 0.5 * (range / max_code) * std::ldexp(1.0, missing) +
+        // half a bin of the bf16 scale (at most 2^-7 wider than range / (2^B - 1))
+        const double bound = 0.5 * static_cast<double>(scale[g]) * std::ldexp(1.0, missing) +
                              0x1.0p-20 * (std::fabs(e.lo[g]) + range);
         if (!(err <= bound))
           log.fail(what, " planes=", planes, " (t=", t, ", h=", h, ", c=", c, "): error ", err,
@@ -582,9 +595,14 @@ TEST_CASE_TEMPLATE_DEFINE(
       REQUIRE(g.value_planes_offset(st) == L.value_planes_at(st));
       REQUIRE(encoded.segment(st).size() == static_cast<std::size_t>(128 + L.payload(st)));
     }
-    REQUIRE(g.key_zero_offset() == L.key_zero_at());
-    REQUIRE(g.value_scale_offset() == L.value_scale_at());
-    REQUIRE(g.value_zero_offset() == L.value_zero_at());
+    REQUIRE(g.wire_params_bytes() == L.params_end());
+    REQUIRE(g.param_section_offset(1, 2) == L.key_zero_at());
+    REQUIRE(g.param_section_offset(2, 2) == L.value_scale_at());
+    REQUIRE(g.param_section_offset(3, 2) == L.value_zero_at());
+    REQUIRE(g.key_zero_offset() == L.key_zero_at(4));
+    REQUIRE(g.value_scale_offset() == L.value_scale_at(4));
+    REQUIRE(g.value_zero_offset() == L.value_zero_at(4));
+    REQUIRE(g.params_bytes() == L.params_end(4));
     const decoded_layer d = decode_reference(L, segments_of(encoded));
     CHECK(d.nonzero_padding_bits == 0);
     CHECK(
@@ -775,7 +793,9 @@ struct tensor_state {
       payloads.emplace_back();
       if (p) payloads.back().assign(p, p + t.geometry().payload_bytes(s));
     }
+    if (v.params) params.assign(v.params, v.params + t.geometry().params_bytes());
   }
+  std::vector<std::byte> params;  // the expanded parameters, once the anchor is there
   friend bool operator==(const tensor_state&, const tensor_state&) = default;
 };
 
@@ -918,8 +938,12 @@ TEST_CASE_TEMPLATE_DEFINE(
             "bad magic");
     rejects(lynx::errc::unsupported_version,
             with_header(
-                seg, [](lynx::segment_header& h) { h.version = 2; }, true),
-            "version 2");
+                seg, [](lynx::segment_header& h) { h.version = 1; }, true),
+            "version 1 (fp32 parameters)");
+    rejects(lynx::errc::unsupported_version,
+            with_header(
+                seg, [](lynx::segment_header& h) { h.version = 3; }, true),
+            "version 3");
     rejects(lynx::errc::unsupported_version,
             with_header(
                 seg, [](lynx::segment_header& h) { h.layout = 7; }, true),
@@ -947,6 +971,42 @@ TEST_CASE_TEMPLATE_DEFINE(
     lynx::plan_desc many = lynx::plan_desc::of<Plan>();
     many.streams = 200;
     CHECK(many.name().find("more streams") != std::string::npos);
+  }
+
+  SUBCASE("re-sealed anchors with forged parameters: NaN, infinite, negative or huge") {
+    // The checksum protects against corruption, not forgery: anyone can re-seal.
+    // The parameters are checked at accept and named by kv head and group.
+    const lynx::layer_geometry& g = good.geometry();
+    struct forgery {
+      int section;        // 0 key_scale, 1 key_zero, 2 value_scale, 3 value_zero
+      std::int64_t index;  // parameter index inside the section
+      std::uint16_t bits;  // bf16 bits written there
+      std::string where;   // expected in the message
+    };
+    const std::int64_t key_per_head = g.key_token_groups() * g.head_dim;
+    const std::int64_t value_per_head = g.tokens * g.value_channel_groups();
+    const forgery forgeries[] = {
+        {0, key_per_head + (g.key_token_groups() - 1) * g.head_dim + 5, 0x7fc0,
+         "key parameters of kv head 1, token group " + std::to_string(g.key_token_groups() - 1)},
+        {1, 3, 0x7f80, "key parameters of kv head 0, token group 0"},
+        {0, 7, 0xbf80, "key parameters of kv head 0"},  // scale -1
+        {2, value_per_head + 2 * g.value_channel_groups(), 0x7f40,
+         "value parameters of kv head 1, token 2,"},  // scale ~2.5e38: the range overflows
+        {3, 0, 0xff80, "value parameters of kv head 0, token 0,"},
+    };
+    for (const forgery& f : forgeries) {
+      std::vector<std::byte> forged = bytes_of(anchor);
+      std::memcpy(forged.data() + lynx::segment_header_bytes + g.param_section_offset(f.section, 2) +
+                      2 * f.index,
+                  &f.bits, 2);
+      lynx::seal_segment(forged);
+      INFO("section " << f.section << " index " << f.index);
+      const std::string msg =
+          expect_error(lynx::errc::corrupted_segment, [&] { (void)empty.accept(forged); });
+      CHECK(msg.find(f.where) != std::string::npos);
+      CHECK(msg.find("layer 7 stream 0") != std::string::npos);
+      CHECK(tensor_state<Plan, G>(empty) == empty_before);
+    }
   }
 
   SUBCASE("a conflicting duplicate: same stream, different content") {

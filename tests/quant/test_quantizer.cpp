@@ -54,8 +54,11 @@ group_reference reference_of(const std::vector<float>& xs) {
 
 double float_slack(const group_reference& r) { return 0x1.0p-20 * (std::fabs(r.lo) + r.range()); }
 
-// Quantizes a group with the library's functions and checks the code and every
-// reconstruction from p = 1..B planes against the fp64 reference.
+bool is_bf16_value(float x) { return (std::bit_cast<std::uint32_t>(x) & 0xffffu) == 0u; }
+
+// Quantizes a group with the library's functions and checks the parameters (bf16
+// values, zero at or below the minimum, bins covering the group), the code and
+// every reconstruction from p = 1..B planes against the fp64 reference.
 template <int B>
 void check_group(const std::vector<float>& xs) {
   float lo = xs[0], hi = xs[0];
@@ -65,33 +68,43 @@ void check_group(const std::vector<float>& xs) {
   }
   const lynx::group_params p = lynx::make_group_params<B>(lo, hi);
   const group_reference ref = reference_of(xs);
-  REQUIRE(p.zero == lo);
+  // zero: lo rounded down to bf16 (less than one bf16 step below it).
+  REQUIRE(is_bf16_value(p.zero));
+  REQUIRE(is_bf16_value(p.scale));
+  REQUIRE(p.zero <= lo);
+  // (bf16 subnormals are 2^-133 apart)
+  REQUIRE(static_cast<double>(lo) - p.zero <=
+          std::max(0x1.0p-7 * std::fabs(static_cast<double>(lo)), 0x1.0p-133));
   REQUIRE(!lynx::range_overflow(lo, hi));
+  const double covered = static_cast<double>(hi) - p.zero;  // what the bins must span
   const float inv = lynx::inverse_scale<B>(p);
-  if (hi - lo < lynx::min_group_range) {
-    // Constant (or range below 2^-100): scale 0, every code 0, reconstruction = min exactly.
+  if (static_cast<float>(hi - p.zero) < lynx::min_group_range) {
+    // Constant (or range below 2^-100): scale 0, every code 0, reconstruction = zero.
     REQUIRE(p.scale == 0.0f);
     REQUIRE(inv == 0.0f);
     for (float x : xs) {
       REQUIRE(lynx::quantize_value<B>(x, p.zero, inv) == 0u);
       for (int planes = 1; planes <= B; ++planes) {
         const float r = lynx::reconstruct_value<B>(0u, planes, p);
-        REQUIRE(r == lo);
-        REQUIRE(std::fabs(static_cast<double>(r) - x) <= ref.range());
+        REQUIRE(r == p.zero);
+        REQUIRE(std::fabs(static_cast<double>(r) - x) <= covered);
       }
     }
     return;
   }
-  const double scale_ref = ref.range() / static_cast<double>(lynx::max_code<B>);
-  // The float scale is the reference scale up to two roundings.
-  REQUIRE(std::fabs(static_cast<double>(p.scale) - scale_ref) <= 0x1.0p-22 * scale_ref);
+  // scale: covered / (2^B - 1) rounded up to bf16 (8 significant bits): the bins
+  // span the group and are at most 2^-7 wider than fp32 parameters would make them.
+  const double scale_min = covered / static_cast<double>(lynx::max_code<B>);
+  REQUIRE(static_cast<double>(p.scale) >= scale_min * (1.0 - 0x1.0p-22));
+  REQUIRE(static_cast<double>(p.scale) <= scale_min * (1.0 + 0x1.0p-7));
+  const double scale = p.scale;
   const double slack = float_slack(ref);
   for (float x : xs) {
     const std::uint32_t code = lynx::quantize_value<B>(x, p.zero, inv);
     REQUIRE(code <= lynx::max_code<B>);
-    // fp64: code is the nearest level to (x - min) / scale (up to the float slack).
-    const double t = (static_cast<double>(x) - ref.lo) / scale_ref;
-    REQUIRE(std::fabs(static_cast<double>(code) - t) <= 0.5 + slack / scale_ref);
+    // fp64: code is the nearest level to (x - zero) / scale (up to the float slack).
+    const double t = (static_cast<double>(x) - p.zero) / scale;
+    REQUIRE(std::fabs(static_cast<double>(code) - t) <= 0.5 + slack / scale);
     for (int planes = 1; planes <= B; ++planes) {
       const int missing = B - planes;
       const std::uint32_t prefix = code >> missing;
@@ -109,7 +122,7 @@ void check_group(const std::vector<float>& xs) {
                              std::fabs(static_cast<double>(r));
       REQUIRE(std::fabs(static_cast<double>(r) - exact) <= 0.5 * spacing);
       // Half a bin of width scale * 2^(B - planes) of the input.
-      const double half_bin = 0.5 * scale_ref * std::ldexp(1.0, missing);
+      const double half_bin = 0.5 * scale * std::ldexp(1.0, missing);
       INFO("B=" << B << " planes=" << planes << " x=" << x << " code=" << code << " r=" << r);
       REQUIRE(std::fabs(static_cast<double>(r) - x) <= half_bin + slack);
     }
@@ -155,11 +168,17 @@ TEST_CASE("round_small_nonnegative rounds half to even") {
 }
 
 TEST_CASE(
-    "group parameters: scale = range / (2^B - 1), zero = min; tiny ranges are constant; overflow "
-    "detected") {
+    "group parameters: bf16 zero = min rounded down, bf16 scale = range / (2^B - 1) rounded up; "
+    "tiny ranges are constant; overflow detected") {
   auto p8 = lynx::make_group_params<8>(-1.0f, 1.55f);
-  CHECK(p8.zero == -1.0f);
-  CHECK(p8.scale == 2.55f / 255.0f);
+  CHECK(p8.zero == -1.0f);                  // a bf16 value: kept
+  CHECK(p8.scale == 0x1.48p-7f);            // 0.01 rounded up to 8 significant bits
+  CHECK(p8.scale * 255.0f >= 2.55f);        // the bins cover the group
+  CHECK(lynx::make_group_params<8>(0.3f, 1.0f).zero == 0x1.32p-2f);   // 0.3 rounded down
+  CHECK(lynx::make_group_params<8>(-0.3f, 1.0f).zero == -0x1.34p-2f); // -0.3 rounded down
+  CHECK(lynx::bf16_round_down(-0.0f) == 0.0f);
+  CHECK(std::signbit(lynx::bf16_round_down(-0.0f)));
+  CHECK(lynx::bf16_round_up(0x1.0001p0f) == 0x1.02p0f);
   auto p16 = lynx::make_group_params<16>(0.0f, 65535.0f);
   CHECK(p16.scale == 1.0f);
   CHECK(lynx::inverse_scale<16>(p16) == 1.0f);
@@ -169,6 +188,8 @@ TEST_CASE(
   CHECK(std::isnormal(
       lynx::make_group_params<16>(0.0f, 0x1.0p-100f).scale));  // every scale is a normal float
   CHECK(lynx::range_overflow(-3e38f, 3e38f));
+  // the lowest floats round down past the lowest bf16: no zero point exists
+  CHECK(lynx::range_overflow(-std::numeric_limits<float>::max(), 0.0f));
   CHECK(!lynx::range_overflow(-1e38f, 1e38f));
   CHECK(lynx::range_overflow(0.0f, std::numeric_limits<float>::infinity()));
   CHECK(lynx::range_overflow(std::numeric_limits<float>::quiet_NaN(), 0.0f));
@@ -186,14 +207,17 @@ TEST_CASE("quantize_value clamps to [0, 2^B - 1] and maps min and max to the end
   const auto p = lynx::make_group_params<8>(-2.0f, 3.0f);
   const float inv = lynx::inverse_scale<8>(p);
   CHECK(lynx::quantize_value<8>(-2.0f, p.zero, inv) == 0u);
-  CHECK(lynx::quantize_value<8>(3.0f, p.zero, inv) == 255u);
+  // 5 / 255 rounds up to a bf16 scale: the maximum lands within one code of the end
+  CHECK(lynx::quantize_value<8>(3.0f, p.zero, inv) >= 254u);
+  const auto exact = lynx::make_group_params<8>(-2.0f, 0.5f * 255.0f - 2.0f);  // scale 0.5
+  CHECK(exact.scale == 0.5f);
+  CHECK(lynx::quantize_value<8>(0.5f * 255.0f - 2.0f, exact.zero,
+                                lynx::inverse_scale<8>(exact)) == 255u);
   CHECK(lynx::quantize_value<8>(-5.0f, p.zero, inv) == 0u);     // below the group: clamped
   CHECK(lynx::quantize_value<8>(100.0f, p.zero, inv) == 255u);  // above: clamped
-  const auto q = lynx::make_group_params<16>(-2.0f, 3.0f);
-  CHECK(lynx::quantize_value<16>(3.0f, q.zero, lynx::inverse_scale<16>(q)) == 65535u);
-  CHECK(lynx::quantize_value<12>(
-            3.0f, -2.0f, lynx::inverse_scale<12>(lynx::make_group_params<12>(-2.0f, 3.0f))) ==
-        4095u);
+  const auto q = lynx::make_group_params<16>(-2.0f, 65535.0f * 0.25f - 2.0f);  // scale 0.25
+  CHECK(lynx::quantize_value<16>(65535.0f * 0.25f - 2.0f, q.zero, lynx::inverse_scale<16>(q)) ==
+        65535u);
 }
 
 TEST_CASE("midpoint reconstruction: the midpoint of the bins still possible") {
@@ -229,7 +253,8 @@ TEST_CASE_TEMPLATE_DEFINE(
 TEST_CASE_TEMPLATE_APPLY(reference_id, plans);
 
 TEST_CASE_TEMPLATE_DEFINE(
-    "constant, denormal-only and signed-zero groups: scale 0, codes 0, exact reconstruction", Plan,
+    "constant, denormal-only and signed-zero groups: scale 0, codes 0, reconstruction = zero point",
+    Plan,
     constant_id) {
   constexpr int B = Plan::bits;
   check_group<B>({2.5f, 2.5f, 2.5f});

@@ -52,7 +52,8 @@ inline constexpr std::uint64_t key_seed = 1;
 inline constexpr std::uint64_t value_seed = 2;
 inline constexpr int group_size = 32;
 
-/// Expected `checksum` field of the header of each stream's segment.
+/// Expected `checksum` field of the header of each stream's segment (segment format
+/// version 2: scales and zero points as bf16).
 struct checksum_entry {
   const char* plan;            // stream_plan<...>::name(), e.g. "8 = 4 + 4"
   lynx::element_kind element;  // input element type
@@ -61,26 +62,26 @@ struct checksum_entry {
 };
 
 inline constexpr checksum_entry checksums[] = {
-    {"8 = 4 + 4", lynx::element_kind::f32, 2, {0xfe0dcf7d9aa10dcaull, 0xd0ad589ebcaae60aull}},
-    {"8 = 4 + 4", lynx::element_kind::bf16, 2, {0x178bf2e5de72b484ull, 0x3db313a51165c18eull}},
+    {"8 = 4 + 4", lynx::element_kind::f32, 2, {0x1d5155bee5c8e288ull, 0xc334441ba94f1723ull}},
+    {"8 = 4 + 4", lynx::element_kind::bf16, 2, {0x906a5262a42894baull, 0xff2d3ba08813ff82ull}},
     {"8 = 2 + 2 + 4",
      lynx::element_kind::f32,
      3,
-     {0x4a905b6912cc6e87ull, 0x026b9b0a8fcb82c0ull, 0x0dc29fde63f1d567ull}},
+     {0x5698e43dbc9760b6ull, 0xfd0db5c696accc3eull, 0x1c6d7cbcfa6e753eull}},
     {"8 = 2 + 2 + 4",
      lynx::element_kind::bf16,
      3,
-     {0x2785fcab3ec78a5full, 0x30116a61e0363962ull, 0x6f6633c9bf50dc1eull}},
-    {"16 = 4 + 12", lynx::element_kind::f32, 2, {0x0625efe88b366995ull, 0x1068a07f5b2c1f12ull}},
-    {"16 = 4 + 12", lynx::element_kind::bf16, 2, {0x2ee5ba49513c430eull, 0xb213e58cf6d69a18ull}},
+     {0xacc9519d56ebaefbull, 0x406562f7eac23647ull, 0x4d0124ec1c27119eull}},
+    {"16 = 4 + 12", lynx::element_kind::f32, 2, {0x0f796403361988b8ull, 0x53844976686d0eb3ull}},
+    {"16 = 4 + 12", lynx::element_kind::bf16, 2, {0x83a13700c8e1e61eull, 0x5f284163a8ab72afull}},
     {"16 = 4 + 4 + 8",
      lynx::element_kind::f32,
      3,
-     {0x6199c545a8735a88ull, 0x020d904928d4d54eull, 0x25fd0159f9a50a5cull}},
+     {0x89fa55bd6ff9c5abull, 0x10c6b80bd6792cabull, 0x58b6e5a1c3783bb0ull}},
     {"16 = 4 + 4 + 8",
      lynx::element_kind::bf16,
      3,
-     {0x1b0c6c95b1055a4dull, 0x3b14a3403b89e383ull, 0xf6ae4dc3f3632994ull}},
+     {0x79e8da52976436fcull, 0x380d038813d9022dull, 0x6a4c6a5ab3529020ull}},
 };
 
 }  // namespace lynx_tests::golden

@@ -147,10 +147,16 @@ void encode_into(kv_view<const T, host_space> keys, kv_view<const T, host_space>
   constexpr int B = Plan::bits;
   const std::int64_t D = g.head_dim;
   std::byte* anchor = out[0].data() + segment_header_bytes;
-  auto* key_scale = reinterpret_cast<float*>(anchor + g.key_scale_offset());
-  auto* key_zero = reinterpret_cast<float*>(anchor + g.key_zero_offset());
-  auto* value_scale = reinterpret_cast<float*>(anchor + g.value_scale_offset());
-  auto* value_zero = reinterpret_cast<float*>(anchor + g.value_zero_offset());
+  // The parameters are computed as floats (bf16 values) into a per-thread block
+  // of the expanded layout, then written to the anchor as bf16.
+  thread_local std::vector<float> expanded_params;
+  if (expanded_params.size() < static_cast<std::size_t>(g.params_bytes() / 4))
+    expanded_params.resize(static_cast<std::size_t>(g.params_bytes() / 4));
+  float* const params = expanded_params.data();
+  float* key_scale = params + g.key_scale_offset() / 4;
+  float* key_zero = params + g.key_zero_offset() / 4;
+  float* value_scale = params + g.value_scale_offset() / 4;
+  float* value_zero = params + g.value_zero_offset() / 4;
   const std::int64_t key_params_per_head = g.key_token_groups() * D;
   const std::int64_t value_params_per_head = g.tokens * g.value_channel_groups();
 
@@ -213,6 +219,7 @@ void encode_into(kv_view<const T, host_space> keys, kv_view<const T, host_space>
       vector_path_done = false;
     }
     if (vector_path_done) {
+      detail::write_wire_params(g, params, anchor);
       detail::finish_segments(g, layer, options.generation, out);
       return;
     }
@@ -248,6 +255,7 @@ void encode_into(kv_view<const T, host_space> keys, kv_view<const T, host_space>
       detail::scatter_planes(g, packed.data(), h, b, false, out);
     }
   });
+  detail::write_wire_params(g, params, anchor);
   detail::finish_segments(g, layer, options.generation, out);
 }
 
@@ -323,10 +331,23 @@ encoded_layer<Plan, G> split(const quantized_layer& q, std::uint32_t layer,
   const std::span<const std::span<std::byte>> out(spans.data(), Plan::streams);
   detail::zero_padding(g, out);
   std::byte* anchor = out[0].data() + segment_header_bytes;
-  std::memcpy(anchor + g.key_scale_offset(), q.key_scale.data(), q.key_scale.size() * 4);
-  std::memcpy(anchor + g.key_zero_offset(), q.key_zero.data(), q.key_zero.size() * 4);
-  std::memcpy(anchor + g.value_scale_offset(), q.value_scale.data(), q.value_scale.size() * 4);
-  std::memcpy(anchor + g.value_zero_offset(), q.value_zero.data(), q.value_zero.size() * 4);
+  {
+    std::vector<float> expanded(static_cast<std::size_t>(g.params_bytes() / 4));
+    const std::vector<float>* sections[4] = {&q.key_scale, &q.key_zero, &q.value_scale,
+                                             &q.value_zero};
+    for (int section = 0; section < 4; ++section) {
+      const std::vector<float>& src = *sections[section];
+      detail::require(static_cast<std::int64_t>(src.size()) == g.param_section_params(section),
+                      errc::shape_mismatch, "split: parameter arrays do not match the geometry");
+      for (const float x : src)
+        detail::require((detail::float_bits(x) & 0xffffu) == 0u, errc::invalid_argument,
+                        "split: a scale or zero point is not a bf16 value (codes must come from "
+                        "lynx::quantize or lynx::merge)");
+      std::memcpy(expanded.data() + g.param_section_offset(section, 4) / 4, src.data(),
+                  src.size() * 4);
+    }
+    detail::write_wire_params(g, expanded.data(), anchor);
+  }
   const std::int64_t D = g.head_dim, T_ = g.tokens;
   std::vector<std::uint32_t> packed(static_cast<std::size_t>(Plan::bits * D));
   for (std::int64_t h = 0; h < g.kv_heads; ++h)

@@ -7,13 +7,17 @@
 // against many keys, and any head_dim (8 as well as 256) packs without padding.
 //
 // Payload of stream s (every section starts at a multiple of 64 bytes):
-//   s == 0 only: key_scale  [kv_heads][key_token_groups][head_dim]        float
-//                key_zero   [kv_heads][key_token_groups][head_dim]        float
-//                value_scale[kv_heads][tokens][value_channel_groups]      float
-//                value_zero [kv_heads][tokens][value_channel_groups]      float
+//   s == 0 only: key_scale  [kv_heads][key_token_groups][head_dim]        bf16
+//                key_zero   [kv_heads][key_token_groups][head_dim]        bf16
+//                value_scale[kv_heads][tokens][value_channel_groups]      bf16
+//                value_zero [kv_heads][tokens][value_channel_groups]      bf16
 //   every s:     key_planes  [kv_heads][blocks][planes of s][head_dim]    uint32
 //                value_planes[kv_heads][blocks][planes of s][head_dim]    uint32
 // Padding tokens of the last block have all plane bits 0.
+//
+// Receivers expand the four bf16 parameter sections to float once, at accept,
+// into a separate block of the same shape (the "expanded parameters", offsets
+// key_scale_offset() .. params_bytes()); views and kernels read those floats.
 #pragma once
 
 #include <cstdint>
@@ -67,23 +71,39 @@ struct layer_geometry {
     return kv_heads * blocks() * planes_in(stream) * head_dim;
   }
 
-  // Byte offsets inside the payload of stream 0 (the anchor).
+  // Byte offsets of the four parameter sections: on the wire (bf16, inside the
+  // payload of stream 0) and expanded (float, the receiver's parameter block).
+  // section: 0 key_scale, 1 key_zero, 2 value_scale, 3 value_zero.
+  LYNX_HOST_DEVICE constexpr std::int64_t param_section_offset(int section,
+                                                               std::int64_t bytes_each) const {
+    const std::int64_t k = align_up(key_params() * bytes_each, section_alignment),
+                       v = align_up(value_params() * bytes_each, section_alignment);
+    return section <= 2 ? section * k : 2 * k + (section - 2) * v;
+  }
+  LYNX_HOST_DEVICE constexpr std::int64_t param_section_params(int section) const {
+    return section < 2 ? key_params() : value_params();
+  }
+  static constexpr std::int64_t wire_param_bytes = 2;  // bf16
+  LYNX_HOST_DEVICE constexpr std::int64_t wire_params_bytes() const {
+    return param_section_offset(4, wire_param_bytes);
+  }
+  // The expanded (float) parameter block.
   LYNX_HOST_DEVICE constexpr std::int64_t key_scale_offset() const { return 0; }
   LYNX_HOST_DEVICE constexpr std::int64_t key_zero_offset() const {
-    return align_up(key_params() * 4, section_alignment);
+    return param_section_offset(1, 4);
   }
   LYNX_HOST_DEVICE constexpr std::int64_t value_scale_offset() const {
-    return 2 * align_up(key_params() * 4, section_alignment);
+    return param_section_offset(2, 4);
   }
   LYNX_HOST_DEVICE constexpr std::int64_t value_zero_offset() const {
-    return value_scale_offset() + align_up(value_params() * 4, section_alignment);
+    return param_section_offset(3, 4);
   }
   LYNX_HOST_DEVICE constexpr std::int64_t params_bytes() const {
-    return value_scale_offset() + 2 * align_up(value_params() * 4, section_alignment);
+    return param_section_offset(4, 4);
   }
   /// Byte offsets of the plane sections inside the payload of stream s.
   LYNX_HOST_DEVICE constexpr std::int64_t key_planes_offset(int stream) const {
-    return stream == 0 ? params_bytes() : 0;
+    return stream == 0 ? wire_params_bytes() : 0;
   }
   LYNX_HOST_DEVICE constexpr std::int64_t value_planes_offset(int stream) const {
     return key_planes_offset(stream) + align_up(plane_words(stream) * 4, section_alignment);

@@ -19,6 +19,7 @@
 #include "lynx/core/buffer.hpp"
 #include "lynx/core/error.hpp"
 #include "lynx/core/memory.hpp"
+#include "lynx/core/types.hpp"
 #include "lynx/planes/layout.hpp"
 #include "lynx/planes/segment.hpp"
 #include "lynx/planes/stream_plan.hpp"
@@ -36,21 +37,22 @@ struct bitplane_view {
   std::uint32_t layer = 0;
   int level = 0;  // streams present as a prefix: 0 (nothing usable) .. Plan::streams
   std::array<const std::byte*, max_streams>
-      payload{};  // [stream] -> payload bytes (nullptr when absent)
+      payload{};  // [stream] -> payload bytes as on the wire (nullptr when absent)
+  const std::byte* params = nullptr;  // expanded float parameters (layout.hpp); with the anchor
 
   /// Planes present: the precision this view reconstructs at.
   LYNX_HOST_DEVICE int planes() const { return geometry.plan.plane_begin(level); }
   LYNX_HOST_DEVICE const float* key_scale() const {
-    return reinterpret_cast<const float*>(payload[0] + geometry.key_scale_offset());
+    return reinterpret_cast<const float*>(params + geometry.key_scale_offset());
   }
   LYNX_HOST_DEVICE const float* key_zero() const {
-    return reinterpret_cast<const float*>(payload[0] + geometry.key_zero_offset());
+    return reinterpret_cast<const float*>(params + geometry.key_zero_offset());
   }
   LYNX_HOST_DEVICE const float* value_scale() const {
-    return reinterpret_cast<const float*>(payload[0] + geometry.value_scale_offset());
+    return reinterpret_cast<const float*>(params + geometry.value_scale_offset());
   }
   LYNX_HOST_DEVICE const float* value_zero() const {
-    return reinterpret_cast<const float*>(payload[0] + geometry.value_zero_offset());
+    return reinterpret_cast<const float*>(params + geometry.value_zero_offset());
   }
   /// Key plane words of stream s: [kv_heads][blocks][planes of s][head_dim].
   LYNX_HOST_DEVICE const std::uint32_t* key_planes(int s) const {
@@ -103,6 +105,64 @@ template <stream_plan_type Plan, int G = 32, memory_space Space = host_space>
 class bitplane_tensor;
 
 namespace detail {
+
+/// Checks the bf16 parameters of an anchor payload and expands them to floats
+/// into `out` (params_bytes() bytes, the layout of layer_geometry's expanded
+/// block). A checksum can be re-sealed by anyone on the path, so the values are
+/// checked too: every scale >= 0 and every group's range zero .. zero + scale
+/// (2^B - 1) finite, else lynx::error (corrupted_segment) names the layer, the
+/// stream, the kv head and the group. `out` may be partly written on error.
+inline void expand_params(const layer_geometry& g, std::uint32_t layer, const std::byte* payload,
+                          std::byte* out) {
+  const float top = static_cast<float>((std::uint32_t{1} << g.plan.bits) - 1u);
+  for (int pair = 0; pair < 2; ++pair) {  // keys, values
+    const std::int64_t n = g.param_section_params(2 * pair);
+    std::uint16_t scale_bits[256], zero_bits[256];
+    const std::byte* scale_src = payload + g.param_section_offset(2 * pair, 2);
+    const std::byte* zero_src = payload + g.param_section_offset(2 * pair + 1, 2);
+    auto* scale_dst = reinterpret_cast<float*>(out + g.param_section_offset(2 * pair, 4));
+    auto* zero_dst = reinterpret_cast<float*>(out + g.param_section_offset(2 * pair + 1, 4));
+    for (std::int64_t i0 = 0; i0 < n; i0 += 256) {
+      const std::int64_t m = std::min<std::int64_t>(256, n - i0);
+      std::memcpy(scale_bits, scale_src + 2 * i0, static_cast<std::size_t>(2 * m));
+      std::memcpy(zero_bits, zero_src + 2 * i0, static_cast<std::size_t>(2 * m));
+      bool bad = false;
+      for (std::int64_t i = 0; i < m; ++i) {
+        const float sc = bf16_bits_to_float(scale_bits[i]), z = bf16_bits_to_float(zero_bits[i]);
+        scale_dst[i0 + i] = sc;
+        zero_dst[i0 + i] = z;
+        const float hi = z + sc * top, mag_hi = hi < 0.0f ? -hi : hi, mag_z = z < 0.0f ? -z : z;
+        bad |= !(mag_hi <= 3.4028234663852886e38f && mag_z <= 3.4028234663852886e38f) ||
+               (scale_bits[i] & 0x8000u) != 0u;
+      }
+      if (!bad) continue;
+      for (std::int64_t i = 0; i < m; ++i) {
+        const float sc = scale_dst[i0 + i], z = zero_dst[i0 + i];
+        const float hi = z + sc * top;
+        if ((hi - hi == 0.0f) && (z - z == 0.0f) && (scale_bits[i] & 0x8000u) == 0u) continue;
+        const std::int64_t k = i0 + i;
+        std::string where;
+        if (pair == 0) {
+          const std::int64_t per_head = g.key_token_groups() * g.head_dim;
+          where = "key parameters of kv head " + std::to_string(k / per_head) + ", token group " +
+                  std::to_string(k % per_head / g.head_dim) + " (tokens from " +
+                  std::to_string(k % per_head / g.head_dim * g.key_group) + "), channel " +
+                  std::to_string(k % g.head_dim);
+        } else {
+          const std::int64_t groups = g.value_channel_groups(), per_head = g.tokens * groups;
+          where = "value parameters of kv head " + std::to_string(k / per_head) + ", token " +
+                  std::to_string(k % per_head / groups) + ", channel group " +
+                  std::to_string(k % groups);
+        }
+        fail(errc::corrupted_segment,
+             "segment of layer " + std::to_string(layer) + " stream 0: " + where + " are scale " +
+                 std::to_string(sc) + ", zero point " + std::to_string(z) +
+                 " (a scale must be >= 0 and the group's range finite); the segment carries a "
+                 "valid checksum, so it was corrupted before sealing or forged");
+      }
+    }
+  }
+}
 
 /// What a receiver tensor knows about its streams, wherever their bytes live:
 /// the geometry it expects, which streams are present and their checksums.
@@ -170,9 +230,11 @@ class stream_ledger {
     present_[a.stream] = true;
   }
 
-  /// A view at `level` whose stream s payload is payload_of(s) (absent streams: nullptr).
+  /// A view at `level` whose stream s payload is payload_of(s) (absent streams:
+  /// nullptr) and whose expanded parameters are at `params`.
   template <memory_space Space, class PayloadOf>
-  [[nodiscard]] bitplane_view<Plan, G, Space> make_view(int level, PayloadOf payload_of) const {
+  [[nodiscard]] bitplane_view<Plan, G, Space> make_view(int level, PayloadOf payload_of,
+                                                        const std::byte* params) const {
     if (level < 0 || level > precision_level())  // per layer per decode step: no message on success
       detail::fail(errc::invalid_argument, "precision level " + std::to_string(level) +
                                                " requested for layer " + std::to_string(layer_) +
@@ -185,6 +247,7 @@ class stream_ledger {
     for (int s = 0; s < Plan::streams; ++s)
       v.payload[static_cast<std::size_t>(s)] =
           present_[static_cast<std::size_t>(s)] ? payload_of(s) : nullptr;
+    v.params = present_[0] ? params : nullptr;
     return v;
   }
 
@@ -210,7 +273,8 @@ class bitplane_tensor<Plan, G, host_space> : public detail::stream_ledger<Plan, 
   static constexpr int group_size = G;
 
   bitplane_tensor(kv_shape shape, std::uint32_t layer, std::uint64_t generation = 0)
-      : ledger(shape, layer, generation) {
+      : ledger(shape, layer, generation),
+        params_(static_cast<std::size_t>(this->geometry().params_bytes())) {
     for (int s = 0; s < Plan::streams; ++s)
       storage_[static_cast<std::size_t>(s)] =
           aligned_buffer(static_cast<std::size_t>(this->geometry().payload_bytes(s)));
@@ -221,6 +285,9 @@ class bitplane_tensor<Plan, G, host_space> : public detail::stream_ledger<Plan, 
   accept_result accept(std::span<const std::byte> segment) {
     const auto a = this->admit(segment);
     if (a.duplicate) return accept_result::duplicate;
+    if (a.stream == 0)
+      detail::expand_params(this->geometry(), this->layer(), segment.data() + segment_header_bytes,
+                            params_.data());
     std::memcpy(storage_[a.stream].data(), segment.data() + segment_header_bytes,
                 storage_[a.stream].size());
     this->record(a);
@@ -230,12 +297,14 @@ class bitplane_tensor<Plan, G, host_space> : public detail::stream_ledger<Plan, 
   /// View at the current precision level (or a lower one).
   [[nodiscard]] view_type view() const { return view_at(this->precision_level()); }
   [[nodiscard]] view_type view_at(int level) const {
-    return this->template make_view<host_space>(level, [&](int s) -> const std::byte* {
-      return storage_[static_cast<std::size_t>(s)].data();
-    });
+    return this->template make_view<host_space>(
+        level,
+        [&](int s) -> const std::byte* { return storage_[static_cast<std::size_t>(s)].data(); },
+        params_.data());
   }
 
  private:
+  aligned_buffer params_;  // expanded float parameters, written when the anchor is accepted
   std::array<aligned_buffer, max_streams> storage_{};
 };
 

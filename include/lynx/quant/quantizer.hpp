@@ -1,8 +1,14 @@
 // The group quantizer: pure math, one source for host and device.
 //
-// Asymmetric uniform quantization of a group to B-bit codes:
-//   scale = (max - min) / (2^B - 1),  zero = min,
+// Asymmetric uniform quantization of a group to B-bit codes. Scale and zero
+// point travel as bf16 (2 bytes each on the wire), so they are chosen as bf16
+// values first and the codes are computed with exactly those values:
+//   zero  = min rounded down to bf16 (toward -inf),
+//   scale = ((max - zero) / (2^B - 1)) rounded up to bf16 (toward +inf),
 //   code  = clamp(round((x - zero) / scale), 0, 2^B - 1)      (round half to even)
+// Rounding outward keeps [min, max] inside [zero, zero + scale (2^B - 1)]: the
+// bins cover the group, at most about 2^-8 of the range wider than with fp32
+// parameters (bf16 keeps 8 significant bits).
 // Reconstruction from the p most significant planes of a code uses the midpoint
 // of the bins still possible (unbiased, error at most half a bin of width
 // scale * 2^(B-p)):
@@ -13,6 +19,7 @@
 #include <cstdint>
 
 #include "lynx/core/config.hpp"
+#include "lynx/core/types.hpp"
 
 namespace lynx {
 
@@ -53,21 +60,40 @@ LYNX_HOST_DEVICE float round_small_nonnegative(float t) {
 
 }  // namespace detail
 
-/// Parameters of a group from its minimum and maximum (both finite).
-/// The caller rejects non-finite input before; a range that overflows float is
-/// reported by `range_overflow` below.
+/// x rounded down (toward -inf) to a bf16 value, as a float; x finite. A value
+/// below the lowest finite bf16 becomes -inf (range_overflow then reports it).
+LYNX_HOST_DEVICE float bf16_round_down(float x) {
+  const std::uint32_t u = detail::float_bits(x);
+  std::uint32_t t = u & 0xffff0000u;
+  if ((u & 0xffffu) != 0u && (u >> 31) != 0u) t += 0x10000u;  // negative: away from zero
+  return detail::bits_float(t);
+}
+
+/// x >= 0 rounded up (toward +inf) to a bf16 value, as a float.
+LYNX_HOST_DEVICE float bf16_round_up(float x) {
+  const std::uint32_t u = detail::float_bits(x);
+  std::uint32_t t = u & 0xffff0000u;
+  if ((u & 0xffffu) != 0u) t += 0x10000u;
+  return detail::bits_float(t);
+}
+
+/// Parameters of a group from its minimum and maximum (both finite), both bf16
+/// values (see the top of this file). The caller rejects non-finite input
+/// before; a range that overflows is reported by `range_overflow` below.
 template <int Bits>
 LYNX_HOST_DEVICE group_params make_group_params(float lo, float hi) {
-  const float range = hi - lo;
   group_params p;
-  p.zero = lo;
-  p.scale = (range >= min_group_range) ? range / static_cast<float>(max_code<Bits>) : 0.0f;
+  p.zero = bf16_round_down(lo);
+  const float range = hi - p.zero;
+  p.scale =
+      (range >= min_group_range) ? bf16_round_up(range / static_cast<float>(max_code<Bits>)) : 0.0f;
   return p;
 }
 
-/// True when max - min is not a finite float: such a group cannot be quantized.
+/// True when max - zero (the zero point of make_group_params) is not a finite
+/// float: such a group cannot be quantized.
 LYNX_HOST_DEVICE bool range_overflow(float lo, float hi) {
-  const float range = hi - lo;
+  const float range = hi - bf16_round_down(lo);
   return !(range <= 3.4028234663852886e38f);
 }
 

@@ -69,9 +69,15 @@ struct encode_status {
 };
 inline constexpr unsigned long long no_problem = ~0ull;
 
-/// Bytes of device workspace an encode needs (CUB style: also what encode_async
-/// reports when called with a null workspace).
-inline constexpr std::size_t encode_workspace_bytes = sizeof(encode_status);
+/// Bytes of device workspace an encode of a layer of geometry g needs (CUB
+/// style: also what encode_async reports when called with a null workspace):
+/// the status, then the expanded float parameters the codes are computed with
+/// (written to the anchor as bf16 at the end).
+inline constexpr std::size_t encode_status_bytes = 256;  // sizeof(encode_status), 256-aligned
+static_assert(sizeof(encode_status) <= encode_status_bytes);
+inline std::size_t encode_workspace_bytes(const layer_geometry& g) {
+  return encode_status_bytes + static_cast<std::size_t>(g.params_bytes());
+}
 
 namespace detail {
 
@@ -98,12 +104,10 @@ inline int payload_sections(const layer_geometry& g, int stream, payload_section
   const auto add = [&](std::int64_t offset, std::int64_t used) {
     out[n++] = {offset, used, align_up(used, section_alignment)};
   };
-  if (stream == 0) {
-    add(g.key_scale_offset(), g.key_params() * 4);
-    add(g.key_zero_offset(), g.key_params() * 4);
-    add(g.value_scale_offset(), g.value_params() * 4);
-    add(g.value_zero_offset(), g.value_params() * 4);
-  }
+  if (stream == 0)
+    for (int section = 0; section < 4; ++section)
+      add(g.param_section_offset(section, layer_geometry::wire_param_bytes),
+          g.param_section_params(section) * layer_geometry::wire_param_bytes);
   add(g.key_planes_offset(stream), g.plane_words(stream) * 4);
   add(g.value_planes_offset(stream), g.plane_words(stream) * 4);
   return n;
@@ -543,6 +547,23 @@ void throw_encode_status(const encode_status& st, const kv_view<const T, device_
   report_problem(p, layer, offending);
 }
 
+namespace detail {
+/// The expanded float parameters (bf16 values) to the anchor's bf16 sections.
+template <int Unused = 0>
+__global__ void wire_params_kernel(layer_geometry g, const float* expanded,
+                                          std::byte* payload) {
+  for (int section = 0; section < 4; ++section) {
+    const float* src = expanded + g.param_section_offset(section, 4) / 4;
+    auto* dst = reinterpret_cast<std::uint16_t*>(
+        payload + g.param_section_offset(section, layer_geometry::wire_param_bytes));
+    const std::int64_t n = g.param_section_params(section);
+    for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < n;
+         i += static_cast<std::int64_t>(gridDim.x) * blockDim.x)
+      dst[i] = static_cast<std::uint16_t>(__float_as_uint(src[i]) >> 16);
+  }
+}
+}  // namespace detail
+
 /// Launches the encode of one layer on `stream` (CUB style):
 ///  - workspace == nullptr: sets workspace_bytes to what it needs, launches nothing;
 ///  - otherwise: writes the segments of every stream into out[s] (device memory,
@@ -557,19 +578,19 @@ template <stream_plan_type Plan, int G = 32, kv_element T>
                                        std::span<const device_bytes> out,
                                        std::uint64_t generation = 0,
                                        cudaStream_t stream = nullptr) {
+  detail::check_device_inputs(keys, values);
+  const layer_geometry g = make_geometry<Plan, G>(keys.shape);
   if (workspace == nullptr) {
-    workspace_bytes = encode_workspace_bytes;
+    workspace_bytes = encode_workspace_bytes(g);
     return cudaSuccess;
   }
-  lynx::detail::require(workspace_bytes >= encode_workspace_bytes, errc::invalid_argument,
+  lynx::detail::require(workspace_bytes >= encode_workspace_bytes(g), errc::invalid_argument,
                         "cuda::encode_async: workspace of " + std::to_string(workspace_bytes) +
-                            " bytes, it needs " + std::to_string(encode_workspace_bytes));
+                            " bytes, it needs " + std::to_string(encode_workspace_bytes(g)));
   lynx::detail::require(
       reinterpret_cast<std::uintptr_t>(workspace) % alignof(encode_status) == 0,
       errc::invalid_argument,
       "cuda::encode_async: workspace is not 8-byte aligned (its fields are 64-bit atomics)");
-  detail::check_device_inputs(keys, values);
-  const layer_geometry g = make_geometry<Plan, G>(keys.shape);
   detail::check_device_outputs(g, out);
   const detail::encode_launch launch = detail::make_encode_launch(g);
   constexpr int B = Plan::bits;
@@ -578,10 +599,11 @@ template <stream_plan_type Plan, int G = 32, kv_element T>
   std::byte* payload[max_streams] = {};
   for (int s = 0; s < Plan::streams; ++s)
     payload[s] = out[static_cast<std::size_t>(s)].data + segment_header_bytes;
-  auto* key_scale = reinterpret_cast<float*>(payload[0] + g.key_scale_offset());
-  auto* key_zero = reinterpret_cast<float*>(payload[0] + g.key_zero_offset());
-  auto* value_scale = reinterpret_cast<float*>(payload[0] + g.value_scale_offset());
-  auto* value_zero = reinterpret_cast<float*>(payload[0] + g.value_zero_offset());
+  std::byte* params = static_cast<std::byte*>(workspace) + encode_status_bytes;
+  auto* key_scale = reinterpret_cast<float*>(params + g.key_scale_offset());
+  auto* key_zero = reinterpret_cast<float*>(params + g.key_zero_offset());
+  auto* value_scale = reinterpret_cast<float*>(params + g.value_scale_offset());
+  auto* value_zero = reinterpret_cast<float*>(params + g.value_zero_offset());
 
   LYNX_CUDA_TRY(
       cudaMemsetAsync(status, 0xff, sizeof(encode_status), stream));  // every field = no_problem
@@ -600,6 +622,9 @@ template <stream_plan_type Plan, int G = 32, kv_element T>
   detail::pack_kernel<B, false, T><<<launch.pack, detail::block_shape(), 0, stream>>>(
       values, g, value_scale, value_zero,
       detail::make_plane_rows<std::uint32_t>(g, payload, false, B));
+  LYNX_CUDA_TRY(cudaGetLastError());
+  detail::wire_params_kernel<><<<256, 256, 0, stream>>>(g, reinterpret_cast<const float*>(params),
+                                                      payload[0]);
   return cudaGetLastError();
 }
 
@@ -617,7 +642,7 @@ void check_encode_status(const void* workspace, kv_view<const T, device_space> k
 }
 
 /// Encodes one layer into preallocated device buffers (no allocation): out[s]
-/// of segment_bytes(g, s) bytes, workspace of encode_workspace_bytes. Waits for
+/// of segment_bytes(g, s) bytes, workspace of encode_workspace_bytes(g). Waits for
 /// `stream` and throws lynx::error on bad input like the host encoder.
 template <stream_plan_type Plan, int G = 32, kv_element T>
 void encode_into(kv_view<const T, device_space> keys, kv_view<const T, device_space> values,
@@ -637,7 +662,7 @@ class device_encoded_layer {
   static constexpr int group_size = G;
 
   device_encoded_layer(layer_geometry geometry, std::uint32_t layer)
-      : geometry_(geometry), layer_(layer), workspace_(encode_workspace_bytes) {
+      : geometry_(geometry), layer_(layer), workspace_(encode_workspace_bytes(geometry)) {
     for (int s = 0; s < Plan::streams; ++s)
       segments_[static_cast<std::size_t>(s)] = device_buffer(segment_bytes(geometry_, s));
     for (int s = 0; s < Plan::streams; ++s)

@@ -29,14 +29,26 @@ inline void zero_section_gaps(const layer_geometry& g, std::span<const std::span
     auto gap = [&](std::int64_t data_end, std::int64_t next_section) {
       std::memset(payload + data_end, 0, static_cast<std::size_t>(next_section - data_end));
     };
-    if (s == 0) {
-      gap(g.key_scale_offset() + g.key_params() * 4, g.key_zero_offset());
-      gap(g.key_zero_offset() + g.key_params() * 4, g.value_scale_offset());
-      gap(g.value_scale_offset() + g.value_params() * 4, g.value_zero_offset());
-      gap(g.value_zero_offset() + g.value_params() * 4, g.params_bytes());
-    }
+    if (s == 0)
+      for (int section = 0; section < 4; ++section)
+        gap(g.param_section_offset(section, layer_geometry::wire_param_bytes) +
+                g.param_section_params(section) * layer_geometry::wire_param_bytes,
+            g.param_section_offset(section + 1, layer_geometry::wire_param_bytes));
     gap(g.key_planes_offset(s) + g.plane_words(s) * 4, g.value_planes_offset(s));
     gap(g.value_planes_offset(s) + g.plane_words(s) * 4, g.payload_bytes(s));
+  }
+}
+
+/// Writes the four parameter sections of an anchor payload (bf16, exact: the
+/// encoder's parameters are bf16 values) from the expanded float block.
+inline void write_wire_params(const layer_geometry& g, const float* expanded, std::byte* payload) {
+  for (int section = 0; section < 4; ++section) {
+    const float* src = expanded + g.param_section_offset(section, 4) / 4;
+    auto* dst = reinterpret_cast<std::uint16_t*>(
+        payload + g.param_section_offset(section, layer_geometry::wire_param_bytes));
+    const std::int64_t n = g.param_section_params(section);
+    for (std::int64_t i = 0; i < n; ++i)
+      dst[i] = static_cast<std::uint16_t>(float_bits(src[i]) >> 16);
   }
 }
 

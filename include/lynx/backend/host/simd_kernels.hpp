@@ -214,16 +214,28 @@ LYNX_ALWAYS_INLINE __m512i quantize16(__m512 x, __m512 zero, __m512 inv) {
   return _mm512_cvtps_epi32(t);
 }
 
-// make_group_params + inverse_scale for 16 groups; sets `bad` on an overflowing range.
+// bf16_round_down / bf16_round_up (quantizer.hpp) of 16 floats.
+LYNX_ALWAYS_INLINE __m512 bf16_round16(__m512 x, bool up) {
+  const __m512i u = _mm512_castps_si512(x);
+  const __m512i t = _mm512_and_si512(u, _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
+  __mmask16 bump = _mm512_test_epi32_mask(u, _mm512_set1_epi32(0xffff));
+  if (!up) bump &= _mm512_cmplt_epi32_mask(u, _mm512_setzero_si512());  // negative: sign bit set
+  return _mm512_castsi512_ps(_mm512_mask_add_epi32(t, bump, t, _mm512_set1_epi32(0x10000)));
+}
+
+// make_group_params + inverse_scale for 16 groups: `lo` (the minima) becomes the
+// zero points; sets `bad` on an overflowing range.
 template <int Bits>
-LYNX_ALWAYS_INLINE void group_params16(__m512 lo, __m512 hi, __m512& scale, __m512& inv,
+LYNX_ALWAYS_INLINE void group_params16(__m512& lo, __m512 hi, __m512& scale, __m512& inv,
                                        __mmask16& bad) {
+  lo = bf16_round16(lo, false);
   const __m512 range = _mm512_sub_ps(hi, lo);
   bad |= _mm512_cmp_ps_mask(range, _mm512_set1_ps(3.4028234663852886e38f), _CMP_NLE_UQ);
   const __mmask16 nonconstant =
       _mm512_cmp_ps_mask(range, _mm512_set1_ps(min_group_range), _CMP_GE_OQ);
-  scale =
-      _mm512_maskz_div_ps(nonconstant, range, _mm512_set1_ps(static_cast<float>(max_code<Bits>)));
+  scale = bf16_round16(
+      _mm512_maskz_div_ps(nonconstant, range, _mm512_set1_ps(static_cast<float>(max_code<Bits>))),
+      true);
   const __mmask16 positive = _mm512_cmp_ps_mask(scale, _mm512_setzero_ps(), _CMP_GT_OQ);
   inv = _mm512_maskz_div_ps(positive, _mm512_set1_ps(1.0f), scale);
 }
@@ -812,7 +824,7 @@ void encode_bf16_block(const kv_view<const bf16, host_space>& keys,
       lo = _mm512_load_si512(l);
       hi = _mm512_load_si512(u);
     }
-    const __m512 lo_even = bf16_even(lo), lo_odd = bf16_odd(lo);
+    __m512 lo_even = bf16_even(lo), lo_odd = bf16_odd(lo);  // become the zero points
     __m512 scale_even, inv_even, scale_odd, inv_odd;
     group_params16<8>(lo_even, bf16_even(hi), scale_even, inv_even, bad_range);
     group_params16<8>(lo_odd, bf16_odd(hi), scale_odd, inv_odd, bad_range);

@@ -1,17 +1,29 @@
 // A simulated link with a virtual clock: reproducible timelines, no wall clock.
 //
-// Each lane is a path of `bytes_per_second` with a one-way `latency`. A lane
-// sends one segment at a time in chunks of `chunk_bytes`; at every chunk
-// boundary it picks the most urgent pending segment (lowest priority value,
-// then earliest post), so on one shared lane an anchor posted while a residual
-// is on the wire waits at most one chunk (chunk_bytes = 0: whole segments,
-// no preemption). Two lanes are independent paths, each with its own bandwidth.
+// Each lane has a one-way `latency` and sends one segment at a time in chunks
+// of `chunk_bytes`; at every chunk boundary it picks the most urgent pending
+// segment (lowest priority value, then earliest post), so on one lane an
+// anchor posted while a residual is on the wire waits at most one chunk
+// (chunk_bytes = 0: whole segments, no preemption).
 //
-// Times are integers (picoseconds). A lane busy since t0 that has put n bytes
-// on the wire finishes them at t0 + ceil(n * 1e12 / bytes_per_second), so
-// chunking never accumulates rounding. For a segment whose last byte leaves at
-// t: buffer_reusable at t, arrival at t + latency, delivered (the ack back) at
-// t + 2 * latency.
+// Two lanes share one rate by default (lane_sharing::shared), as two TCP
+// connections share a NIC: while both lanes are busy each moves at half of
+// `bytes_per_second`, while one is idle the other has all of it (processor
+// sharing; the link is busy at its full rate whenever any lane is). So a Lynx
+// run on two lanes and a baseline on one lane see the same total bandwidth.
+// lane_sharing::independent makes them two separate paths, each with its own
+// full rate (twice the bandwidth of one lane: say so wherever it is used).
+//
+// Times are integers (picoseconds). Service is counted exactly (in units of
+// 1/(2e12) byte, so half of any rate over a whole picosecond is an integer);
+// an event happens at the first picosecond at or after the exact moment a
+// chunk's last byte is served, and what a lane is served past that moment
+// counts toward its next chunk, so chunking never accumulates rounding: a lane
+// alone on the link, busy since t0, that has put n bytes on the wire finishes
+// them at t0 + ceil(n * 1e12 / bytes_per_second). (Shares change at event
+// times, so a lane that goes idle hands its share over up to 1 ps late.)
+// For a segment whose last byte leaves at t: buffer_reusable at t, arrival at
+// t + latency, delivered (the ack back) at t + 2 * latency.
 //
 // Time moves only when asked: step() / advance_to(t) / run_until_idle(), or a
 // next_event / try_receive that waits (which advances the clock to the next
@@ -55,13 +67,19 @@ inline double to_seconds(virtual_duration d) { return std::chrono::duration<doub
 inline double to_seconds(virtual_time t) { return to_seconds(t.time_since_epoch()); }
 
 struct simulated_lane {
-  std::uint64_t bytes_per_second = 0;
-  virtual_duration latency{0};  // one way
+  std::uint64_t bytes_per_second = 0;  // shared lanes: the link's one rate, the same on each
+  virtual_duration latency{0};         // one way
+};
+
+/// How two lanes use bandwidth.
+enum class lane_sharing : std::uint8_t {
+  shared,       ///< one path (a NIC): the busy lanes split one rate equally
+  independent,  ///< two paths, each with its own full rate (twice one lane's bandwidth)
 };
 
 struct simulated_link_options {
-  std::vector<simulated_lane>
-      lanes;  // 1 (shared, strict priority) or 2 (anchor lane, residual lane)
+  std::vector<simulated_lane> lanes;  // 1 (strict priority) or 2 (anchor lane, residual lane)
+  lane_sharing sharing = lane_sharing::shared;
   std::size_t chunk_bytes = std::size_t{64}
                             << 10;  // preemption granularity; 0: between segments only
   bool keep_bytes =
@@ -70,9 +88,18 @@ struct simulated_link_options {
   static simulated_link_options one_lane(std::uint64_t bytes_per_second, virtual_duration latency) {
     return {{{bytes_per_second, latency}}};
   }
+  /// Two lanes sharing `bytes_per_second` in total (two connections over one
+  /// NIC): the same bandwidth as one_lane(bytes_per_second, latency).
   static simulated_link_options two_lanes(std::uint64_t bytes_per_second,
                                           virtual_duration latency) {
-    return {{{bytes_per_second, latency}, {bytes_per_second, latency}}};
+    return {{{bytes_per_second, latency}, {bytes_per_second, latency}}, lane_sharing::shared};
+  }
+  /// Two separate paths of `bytes_per_second` each: twice the bandwidth of
+  /// one_lane(bytes_per_second, latency), so not a fair comparison with it.
+  static simulated_link_options two_independent_lanes(std::uint64_t bytes_per_second_each,
+                                                      virtual_duration latency) {
+    return {{{bytes_per_second_each, latency}, {bytes_per_second_each, latency}},
+            lane_sharing::independent};
   }
 };
 
@@ -144,6 +171,14 @@ class simulated_link {
       detail::require(options_.lanes[l].latency.count() >= 0, errc::invalid_argument,
                       "simulated_link: lane " + std::to_string(l) + " has a negative latency");
     }
+    detail::require(
+        options_.sharing == lane_sharing::independent ||
+            options_.lanes.back().bytes_per_second == options_.lanes.front().bytes_per_second,
+        errc::invalid_argument,
+        "simulated_link: shared lanes name one rate, but lane 0 has " +
+            std::to_string(options_.lanes.front().bytes_per_second) + " bytes/s and lane 1 " +
+            std::to_string(options_.lanes.back().bytes_per_second) +
+            " (lane_sharing::independent for separate paths)");
     lanes_.resize(options_.lanes.size());
   }
   simulated_link(const simulated_link&) = delete;
@@ -215,6 +250,13 @@ class simulated_link {
   }
 
  private:
+  __extension__ using service = __int128;  // units of 1/(2e12) byte: exact for half of any rate
+  static constexpr service units_per_byte = 2'000'000'000'000;
+
+  struct ticket_and_chunk {
+    send_ticket ticket = 0;
+    std::size_t bytes = 0;
+  };
   struct transfer {
     send_request request;
     std::uint64_t seq = 0;
@@ -225,8 +267,12 @@ class simulated_link {
   };
   struct lane_state {
     bool busy = false;
-    std::int64_t busy_since = 0;   // ps
-    std::uint64_t busy_bytes = 0;  // bytes put on the wire since busy_since, current chunk included
+    // Service the current chunk still needs (units); <= 0 once it is done. A
+    // chunk served past its end leaves a negative remainder, counted toward
+    // the next chunk of the same busy period.
+    service left = 0;
+    std::optional<std::pair<std::int64_t, std::uint64_t>> due;  // its chunk_done's key in timed_
+    ticket_and_chunk current{};
     std::set<std::pair<std::pair<send_priority, std::uint64_t>, send_ticket>>
         pending;  // ((priority, seq), ticket)
   };
@@ -264,21 +310,70 @@ class simulated_link {
     t.journey.posted = now_;
     lanes_[request.lane].pending.insert({{request.priority, t.seq}, ticket});
     transfers_.emplace(ticket, std::move(t));
-    if (!lanes_[request.lane].busy) start_chunk(request.lane);
+    if (!lanes_[request.lane].busy) {
+      serve_until_now();  // the busy lanes' service so far, at the rate before this lane joins
+      start_chunk(request.lane);
+      schedule_chunks();  // a lane joined: the shares changed
+    }
     return {errc::ok, ticket};
   }
 
-  // Puts the next chunk of the most urgent pending segment on the lane's wire.
+  // Service units per picosecond lane l gets while busy: its own rate, or an
+  // equal share of the link's one rate among the busy lanes. 1 byte/s is 2
+  // units per picosecond, so a half share is an integer.
+  [[nodiscard]] service rate_of(std::size_t l) const {
+    const auto full = static_cast<service>(options_.lanes[l].bytes_per_second) * 2;
+    if (options_.sharing == lane_sharing::independent) return full;
+    service busy = 0;
+    for (const auto& lane : lanes_) busy += lane.busy;
+    return full / busy;
+  }
+
+  // Brings every busy lane's service up to now_ at the shares in force since
+  // the last event (they change only at events, after this is called).
+  void serve_until_now() {
+    const std::int64_t t = now_.time_since_epoch().count();
+    const service dt = t - served_at_;
+    served_at_ = t;
+    if (dt == 0) return;
+    for (std::size_t l = 0; l < lanes_.size(); ++l)
+      if (lanes_[l].busy) lanes_[l].left -= rate_of(l) * dt;  // the busy set is unchanged here
+  }
+
+  // (Re)schedules every busy lane's chunk_done at the first picosecond its
+  // chunk is wholly served at the current shares.
+  void schedule_chunks() {
+    const std::int64_t t = now_.time_since_epoch().count();
+    for (std::size_t l = 0; l < lanes_.size(); ++l) {
+      lane_state& lane = lanes_[l];
+      if (!lane.busy) continue;
+      const service rate = rate_of(l);
+      const std::int64_t end =
+          t + (lane.left <= 0 ? 0 : static_cast<std::int64_t>((lane.left + rate - 1) / rate));
+      if (lane.due && lane.due->first == end) continue;
+      if (lane.due) timed_.erase(*lane.due);
+      action a;
+      a.kind = action_kind::chunk_done;
+      a.lane = static_cast<lane_index>(l);
+      a.ticket = lane.current.ticket;
+      a.chunk = lane.current.bytes;
+      lane.due = std::make_pair(end, next_seq_);
+      schedule(end, std::move(a));
+    }
+  }
+
+  // Puts the next chunk of the most urgent pending segment on the lane's wire
+  // (its chunk_done is scheduled by schedule_chunks).
   void start_chunk(lane_index l) {
     lane_state& lane = lanes_[l];
     if (lane.pending.empty()) {
       lane.busy = false;
+      lane.left = 0;  // service past the last chunk's end is not kept across idle time
       return;
     }
     if (!lane.busy) {
       lane.busy = true;
-      lane.busy_since = now_.time_since_epoch().count();
-      lane.busy_bytes = 0;
+      lane.left = 0;
     }
     const send_ticket ticket = lane.pending.begin()->second;
     transfer& t = transfers_.at(ticket);
@@ -288,18 +383,13 @@ class simulated_link {
     }
     const std::size_t chunk =
         options_.chunk_bytes == 0 ? t.remaining : std::min(options_.chunk_bytes, t.remaining);
-    lane.busy_bytes += chunk;
-    const std::int64_t end =
-        lane.busy_since + wire_time(lane.busy_bytes, options_.lanes[l].bytes_per_second).count();
-    action a;
-    a.kind = action_kind::chunk_done;
-    a.lane = l;
-    a.ticket = ticket;
-    a.chunk = chunk;
-    schedule(end, std::move(a));
+    lane.left += static_cast<service>(chunk) * units_per_byte;
+    lane.current = {ticket, chunk};
   }
 
   void chunk_done(const action& a) {
+    serve_until_now();
+    lanes_[a.lane].due.reset();
     transfer& t = transfers_.at(a.ticket);
     t.remaining -= a.chunk;
     if (t.remaining == 0) {
@@ -323,6 +413,7 @@ class simulated_link {
       schedule(at + latency, arrive);
     }
     start_chunk(a.lane);
+    schedule_chunks();  // this lane's next chunk, and the others' if it went idle
   }
 
   void arrive(const action& a) {
@@ -406,6 +497,7 @@ class simulated_link {
   receiver_endpoint receiver_;
   time_point now_{};
   std::vector<lane_state> lanes_;
+  std::int64_t served_at_ = 0;  // ps: the busy lanes' `left` counts the service up to here
   std::map<std::pair<std::int64_t, std::uint64_t>, action>
       timed_;                                  // (time ps, seq) -> action: deterministic order
   std::map<send_ticket, transfer> transfers_;  // posted, not yet arrived

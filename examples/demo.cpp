@@ -223,6 +223,22 @@ int run_demo(const Weights& w, const arguments& args, std::vector<int> prompt,
       "time to all tokens: Lynx %.2f ms vs blocking 8-bit %.2f ms (%.2fx), blocking bf16 %.2f ms\n",
       lynx_run.all_committed * 1e3, runs[2].all_committed * 1e3,
       runs[2].all_committed / lynx_run.all_committed, runs[1].all_committed * 1e3);
+  // A provisional token is a draft shown at once and taken back if verification
+  // rejects it: the first token a user could see, beside the first committed one.
+  std::printf(
+      "time to first token shown: Lynx %.2f ms (%s; first committed %.2f ms) vs blocking 4-bit "
+      "%.2f ms (%.2fx), blocking 8-bit %.2f ms (%.2fx)\n",
+      dg::first_shown(lynx_run) * 1e3, lynx_run.provisional_tokens ? "provisional" : "committed",
+      lynx_run.first_committed * 1e3, runs[3].first_committed * 1e3,
+      runs[3].first_committed / dg::first_shown(lynx_run), runs[2].first_committed * 1e3,
+      runs[2].first_committed / dg::first_shown(lynx_run));
+  std::printf("provisional tokens: %lld shown, %lld retracted in %lld retractions (rate %.1f%%)\n",
+              static_cast<long long>(lynx_run.provisional_tokens),
+              static_cast<long long>(lynx_run.retracted_tokens),
+              static_cast<long long>(lynx_run.retractions),
+              lynx_run.provisional_tokens ? 100.0 * static_cast<double>(lynx_run.retracted_tokens) /
+                                                static_cast<double>(lynx_run.provisional_tokens)
+                                          : 0.0);
   if (text) {
     if (print_prompt) {
       const std::size_t tail = std::min<std::size_t>(pre.prompt.size() - 1, 48);
@@ -280,7 +296,7 @@ int main(int argc, char** argv) try {
         model.c_str(), c.dim, c.n_layers, global, c.window, c.n_heads, c.n_kv_heads, c.head_dim,
         c.vocab_size);
     std::printf(
-        "link: %.4g Gbit/s, %.0f us latency, %d lane(s), residual window %zu KiB; %d-token prompt "
+        "link: %.4g Gbit/s, %.0f us latency, %d lane(s) sharing that one rate (every row: the same link), residual window %zu KiB; %d-token prompt "
         "(%s%s); %d committed tokens; max %d drafts\n",
         args.request.link.gbit_per_s, args.request.link.latency_us, args.request.link.lanes,
         args.request.link.residual_window >> 10, prompt_tokens,
@@ -316,7 +332,7 @@ int main(int argc, char** argv) try {
               model.empty() ? "built-in model" : model.c_str(), c.dim, c.n_layers, c.n_heads,
               c.n_kv_heads, c.head_size(), c.vocab_size);
   std::printf(
-      "link: %.4g Gbit/s, %.0f us latency, %d lane(s), residual window %zu KiB; %d-token prompt "
+      "link: %.4g Gbit/s, %.0f us latency, %d lane(s) sharing that one rate (every row: the same link), residual window %zu KiB; %d-token prompt "
       "sampled from the model "
       "(seed %llu); %d committed tokens; max %d drafts\n",
       args.request.link.gbit_per_s, args.request.link.latency_us, args.request.link.lanes,

@@ -44,6 +44,8 @@ struct decode_node_options {
   std::uint64_t generation = 1;  // the request's generation: anything else is stale
   int committed_tokens = 64;     // tokens after the prompt, the prefill's own included
   int max_draft = 8;
+  int max_draft_in_flight = 0;  // draft on while the residual is in flight, up to this many
+                                // (lynx::session_options::max_draft_in_flight; 0: max_draft)
   lynx::failure_options failure;
   lynx::request_deadlines deadlines;
   bool merge_codes = true;      // merge the complete prompt into codes on a helper thread (for an
@@ -102,6 +104,9 @@ struct decode_node_hooks {
   std::function<void(const lynx::segment_id&, int level)> on_segment;
   /// Observes every committed token as it is committed.
   std::function<void(const lynx::committed_token&)> on_commit;
+  /// Opts in to provisional tokens (progressive_session::on_token_event): every
+  /// draft as it is made, retractions, and commits.
+  std::function<void(const lynx::token_event&)> on_token;
 };
 
 /// Runs the decode node's side of one request whose prompt has `prompt_tokens`
@@ -130,6 +135,7 @@ decode_result run_decode_node(const Weights& w, int prompt_tokens, Receiver& rec
   engine_type engine(w, tensors, prompt_tokens);
   lynx::session_options so;
   so.max_draft = o.max_draft;
+  so.max_draft_in_flight = o.max_draft_in_flight;
   so.max_new_tokens = o.committed_tokens;
   using session_type = lynx::progressive_session<engine_type, request_verifier>;
   std::optional<session_type> session;
@@ -180,6 +186,7 @@ decode_result run_decode_node(const Weights& w, int prompt_tokens, Receiver& rec
       res.commits.push_back(t);
       if (hooks.on_commit) hooks.on_commit(t);
     });
+    if (hooks.on_token) session->on_token_event(hooks.on_token);
     if (level > 0) session->set_available_level(level);
   };
 
@@ -416,6 +423,9 @@ decode_result run_decode_node(const Weights& w, int prompt_tokens, Receiver& rec
   if (session) {
     res.tl.tokens.assign(session->committed().begin(), session->committed().end());
     res.stats = session->stats();
+    res.tl.provisional_tokens = res.stats.provisional_tokens;
+    res.tl.retracted_tokens = res.stats.retracted_tokens;
+    res.tl.retractions = res.stats.retractions;
   }
   if (failed)
     res.outcome = lynx::request_outcome::failed;

@@ -19,6 +19,19 @@ inline std::string ms(double s) {
   return buf;
 }
 
+/// When a user could first see a token after the prefill's: the first provisional
+/// token (a draft, retractable) where the run showed any, else the first committed one.
+inline double first_shown(const timeline& r) {
+  return r.provisional_tokens > 0 && r.first_draft >= 0 ? r.first_draft : r.first_committed;
+}
+
+/// "k of n (e events)": provisional tokens taken back; "-" for a run without any.
+inline std::string retraction_summary(const timeline& r) {
+  if (r.provisional_tokens == 0) return "-";
+  return std::to_string(r.retracted_tokens) + " of " + std::to_string(r.provisional_tokens) + " (" +
+         std::to_string(r.retractions) + " ev)";
+}
+
 inline void print_table(const std::vector<timeline>& runs, const char* bytes_label = "bytes sent") {
   auto row = [&](const char* label, auto get) {
     std::printf("  %-34s", label);
@@ -42,6 +55,8 @@ inline void print_table(const std::vector<timeline>& runs, const char* bytes_lab
   });
   row("first committed token after prefill's",
       [](const timeline& r) { return ms(r.first_committed); });
+  row("first token shown (provisional ok)", [](const timeline& r) { return ms(first_shown(r)); });
+  row("  provisional tokens retracted", [](const timeline& r) { return retraction_summary(r); });
   row("all tokens committed", [](const timeline& r) { return ms(r.all_committed); });
 }
 

@@ -73,7 +73,7 @@ static_assert(lynx::verifier_policy<request_verifier>);
 struct link_config {
   double gbit_per_s = 0.01;  // link bandwidth
   double latency_us = 50;    // one way
-  int lanes = 1;             // 1: one shared link, strict priority; 2: a lane per stream kind
+  int lanes = 1;  // 1: one link, strict priority; 2: a lane per stream kind, both sharing gbit_per_s
   std::size_t residual_window = 256 << 10;  // residual bytes in flight at once
 };
 
@@ -92,6 +92,9 @@ struct timeline {
   double prefill_done = -1, encode_done = -1, anchor_landed = -1, first_draft = -1,
          residual_landed = -1, verification_done = -1, first_committed = -1, all_committed = -1;
   std::int64_t verified_drafts = 0, accepted_drafts = 0;
+  // Lynx runs, from session_stats: drafts shown as provisional tokens (the first at
+  // first_draft), those taken back, and the retraction events.
+  std::int64_t provisional_tokens = 0, retracted_tokens = 0, retractions = 0;
   std::uint64_t bytes_sent = 0;
   std::vector<int> tokens;       // committed tokens
   std::vector<int> step_levels;  // Lynx runs: the level available at each session step (a replay)
@@ -248,6 +251,9 @@ timeline run_request(const Weights& w, const prefill_result<Weights>& pre,
   tl.anchor_landed = level_time[1];
   if (streams_sent > 1) tl.residual_landed = level_time[static_cast<std::size_t>(streams_sent)];
   tl.tokens.assign(session.committed().begin(), session.committed().end());
+  tl.provisional_tokens = session.stats().provisional_tokens;
+  tl.retracted_tokens = session.stats().retracted_tokens;
+  tl.retractions = session.stats().retractions;
   link.run_until_idle();
   return tl;
 }

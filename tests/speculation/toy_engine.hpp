@@ -1,7 +1,7 @@
 // A tiny engine with known next-token distributions for the session tests:
 // the logits of the token after x are table[level][x], so the target
 // distribution (all planes) and the draft distributions (fewer planes) are
-// known exactly and differ.
+// known exactly and differ. faithful_engine: drafts that the target always accepts.
 #pragma once
 
 #include <cmath>
@@ -46,6 +46,14 @@ struct toy_engine {
       for (int v = 0; v < vocab; ++v)
         logits[i * vocab + static_cast<std::size_t>(v)] = logit(level, levels, tokens[i], v);
     }
+  }
+};
+
+// The toy engine whose lower levels decide as the target does: every draft is accepted.
+struct faithful_engine : toy_engine {
+  void forward(std::span<const std::int32_t> tokens, std::int64_t position, int /*level*/,
+               std::span<float> logits) {
+    toy_engine::forward(tokens, position, levels, logits);
   }
 };
 

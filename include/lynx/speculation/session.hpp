@@ -1,6 +1,7 @@
 // The progressive decode session: the state machine of DESIGN.md.
 //
-//   waiting for anchor -> drafting (up to max_draft tokens on the current precision level)
+//   waiting for anchor -> drafting (up to max_draft tokens on the current precision level,
+//   or up to max_draft_in_flight while the residual is in flight)
 //   -> verifying (one multi-token forward at a higher level: accept a prefix, correct
 //   the first miss, drop the tail entries of rejected drafts) -> exact decoding.
 //
@@ -14,8 +15,16 @@
 // (continue_unverified): every token committed after that is reported with
 // committed_token::verified == false, through on_commit_event, and counted in
 // stats().unverified_tokens.
+//
+// Provisional tokens (opt in with on_token_event): an application that wants to
+// show text at anchor time also receives every draft as it is made, and a
+// retraction when verification rejects drafts; committed tokens follow as
+// through on_commit_event. Appending provisional tokens, popping on a
+// retraction and marking commits gives, at every moment, the committed tokens
+// followed by the drafts still standing; at the end exactly committed().
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <span>
@@ -36,6 +45,11 @@ enum class landing_policy : std::uint8_t {
 
 struct session_options {
   int max_draft = 8;  // draft tokens before waiting for more planes
+  /// Draft until the residual lands: while no more planes have landed than the
+  /// drafts were made with, keep drafting up to this many drafts (never past
+  /// max_new_tokens), so that the drafts cover the transfer; verification still
+  /// follows on_landing. 0 (or anything <= max_draft): max_draft bounds it, as before.
+  int max_draft_in_flight = 0;
   landing_policy on_landing = landing_policy::verify_now;
   bool verify_intermediate_levels = true;  // with 3+ streams: re-check drafts at each level
   std::int64_t max_new_tokens =
@@ -79,6 +93,7 @@ struct step_result {
   std::int64_t accepted = 0;   // verify: drafts accepted
   std::int64_t drafted = 0;    // verify: drafts checked
   std::int64_t committed = 0;  // tokens committed by this step
+  std::int64_t retracted = 0;  // verify: provisional tokens taken back by this step
 };
 
 /// Acceptance statistics of a request.
@@ -90,11 +105,19 @@ struct session_stats {
   std::int64_t forwards = 0;         // engine forwards of any kind
   std::int64_t unverified_tokens =
       0;  // committed after continue_unverified: not checked at the request's full precision
+  std::int64_t provisional_tokens = 0;  // drafts delivered as provisional (those the request
+                                        // could commit: inside max_new_tokens)
+  std::int64_t retracted_tokens = 0;    // provisional tokens taken back (rejected, or the failure)
+  std::int64_t retractions = 0;         // retraction events (one per verification that rejects)
   [[nodiscard]] double acceptance_rate() const {
     return verified_drafts ? double(accepted_drafts) / double(verified_drafts) : 0.0;
   }
   [[nodiscard]] double mean_accepted_length() const {
     return verifications ? double(accepted_drafts) / double(verifications) : 0.0;
+  }
+  /// Provisional tokens taken back, as a fraction of those delivered.
+  [[nodiscard]] double retraction_rate() const {
+    return provisional_tokens ? double(retracted_tokens) / double(provisional_tokens) : 0.0;
   }
 };
 
@@ -106,11 +129,46 @@ struct committed_token {
       true;  // false: committed after continue_unverified, at a level below the request's target
 };
 
+/// What a token event says (progressive_session::on_token_event).
+enum class token_event_kind : std::uint8_t {
+  provisional,  // a draft: show it, it may be taken back
+  retract,      // take back the last `count` provisional tokens (rejected drafts)
+  commit,       // the token at `position` is final: it confirms the provisional token there,
+                // or, where none stands (a correction, a bonus token, an exact step), adds it
+};
+
+inline const char* to_string(token_event_kind k) {
+  switch (k) {
+    case token_event_kind::provisional:
+      return "provisional";
+    case token_event_kind::retract:
+      return "retract";
+    case token_event_kind::commit:
+      return "commit";
+  }
+  return "?";
+}
+
+/// One event of the provisional token stream. Positions count from the start
+/// of the sequence (the prompt is 0 .. prompt_tokens - 1). Provisional tokens
+/// always stand right after the committed ones, so a retraction pops the newest
+/// and a commit's position is the next one after the committed tokens.
+struct token_event {
+  token_event_kind kind = token_event_kind::commit;
+  std::int32_t token = 0;     // provisional, commit: the token; retract: unused (0)
+  std::int64_t position = 0;  // provisional, commit: its position; retract: the first taken back
+  std::int64_t count = 1;     // retract: provisional tokens taken back (>= 1); otherwise 1
+  int level = 0;  // provisional: the precision level it was drafted (or corrected) at; in the
+                  // replay of on_token_event, the drafts' current level
+  bool verified = false;  // commit: as committed_token::verified; false otherwise
+};
+
 template <decode_engine Engine, verifier_policy Verifier = greedy_verifier>
 class progressive_session {
  public:
   using commit_callback = std::function<void(std::int32_t token, std::int64_t position)>;
   using commit_event_callback = std::function<void(const committed_token&)>;
+  using token_event_callback = std::function<void(const token_event&)>;
 
   /// prompt_tokens: tokens of the prompt (their KV is the transferred cache);
   /// first_token: the token the prefill node chose from the prompt's last logits
@@ -130,6 +188,8 @@ class progressive_session {
                     "session: target level must be at least 1");
     detail::require(options.max_draft >= 0, errc::invalid_argument,
                     "session: max_draft must be >= 0");
+    detail::require(options.max_draft_in_flight >= 0, errc::invalid_argument,
+                    "session: max_draft_in_flight must be >= 0");
     detail::require(options.max_new_tokens >= 1, errc::invalid_argument,
                     "session: max_new_tokens must be >= 1");
     vocab_ = static_cast<std::int64_t>(engine.vocab_size());
@@ -145,9 +205,11 @@ class progressive_session {
     available_ = level;
   }
   /// A transfer failed: the session stops and reports it; nothing more is committed.
+  /// Provisional tokens still standing are retracted (they will never be checked).
   void fail(const std::string& why) {
     failure_ = why;
     state_override_failed_ = true;
+    retract(shown_);
   }
 
   /// Also receives every committed token, with its verified flag (the
@@ -160,6 +222,25 @@ class progressive_session {
     for (std::size_t i = 0; i < committed_.size(); ++i)
       on_commit_event_({committed_[i], prompt_tokens_ + static_cast<std::int64_t>(i),
                         static_cast<std::int64_t>(i) < verified});
+  }
+
+  /// Opt in to the provisional token stream (see token_event): every draft as
+  /// it is made, retractions, and every commit. The state at the call is
+  /// replayed at once: a commit event per committed token, then a provisional
+  /// event per draft standing. Without it nothing of this is delivered and the
+  /// session behaves the same (stats() counts provisional tokens either way).
+  void on_token_event(token_event_callback callback) {
+    on_token_event_ = std::move(callback);
+    if (!on_token_event_) return;
+    const std::int64_t verified = verified_tokens();
+    for (std::size_t i = 0; i < committed_.size(); ++i) {
+      const auto k = static_cast<std::int64_t>(i);
+      on_token_event_(
+          {token_event_kind::commit, committed_[i], prompt_tokens_ + k, 1, 0, k < verified});
+    }
+    for (std::int64_t i = 1; i <= shown_; ++i)
+      on_token_event_({token_event_kind::provisional, inputs_[static_cast<std::size_t>(i)],
+                       position_of_input(i), 1, draft_level_, false});
   }
 
   /// The missing planes will not come: decode on at the level available on
@@ -182,6 +263,7 @@ class progressive_session {
       // sampled at the new target, so a check at the same level would accept them all.
       const std::int64_t n = drafts();
       for (std::int64_t i = 1; i <= n; ++i) commit(inputs_[static_cast<std::size_t>(i)]);
+      shown_ = 0;  // every provisional token was confirmed
       verified_ += n;
       const std::int32_t last = inputs_.back();
       inputs_.assign(1, last);
@@ -206,7 +288,7 @@ class progressive_session {
     if (available_ == 0) return session_state::waiting_for_anchor;
     if (draft_level_ == target_level_ || (draft_level_ == 0 && available_ == target_level_))
       return session_state::exact;
-    if (drafts() >= options_.max_draft && available_ <= draft_level_)
+    if (drafts() >= in_flight_limit() && available_ <= draft_level_)
       return session_state::waiting_for_residual;
     return session_state::drafting;
   }
@@ -236,7 +318,9 @@ class progressive_session {
             available_;  // no intermediate check: keep the drafts, go on at the better level
       }
     }
-    if (drafts() >= options_.max_draft) return {step_kind::idle};
+    // Here either no more planes have landed (draft up to the in-flight limit), or
+    // finish_draft goes on to max_draft (below the in-flight limit).
+    if (drafts() >= in_flight_limit()) return {step_kind::idle};
     return draft_step();
   }
 
@@ -250,6 +334,15 @@ class progressive_session {
   [[nodiscard]] std::int64_t position_of_input(std::int64_t i) const {
     return prompt_tokens_ + verified_ + i;
   }
+  // Drafts allowed while waiting for planes: max_draft, or with max_draft_in_flight
+  // above it, up to that many but none the request could not commit.
+  [[nodiscard]] std::int64_t in_flight_limit() const {
+    const std::int64_t base = options_.max_draft;
+    if (options_.max_draft_in_flight <= base) return base;
+    const std::int64_t remaining =
+        options_.max_new_tokens - static_cast<std::int64_t>(committed_.size());
+    return std::max(base, std::min<std::int64_t>(options_.max_draft_in_flight, remaining));
+  }
 
   void commit(std::int32_t token) {
     if (finished()) return;
@@ -258,6 +351,29 @@ class progressive_session {
     if (unverified_) ++stats_.unverified_tokens;
     if (on_commit_) on_commit_(token, position);
     if (on_commit_event_) on_commit_event_({token, position, !unverified_});
+    if (on_token_event_)
+      on_token_event_({token_event_kind::commit, token, position, 1, 0, !unverified_});
+  }
+
+  // Input i (a draft, i >= 1) becomes provisional when the request could still
+  // commit it: its position is inside max_new_tokens. Drafts past the end are
+  // never shown, so they never need taking back.
+  void show(std::int64_t i) {
+    if (position_of_input(i) >= prompt_tokens_ + options_.max_new_tokens) return;
+    ++shown_;
+    ++stats_.provisional_tokens;
+    if (on_token_event_)
+      on_token_event_({token_event_kind::provisional, inputs_[static_cast<std::size_t>(i)],
+                       position_of_input(i), 1, draft_level_, false});
+  }
+  // Takes back the newest n provisional tokens.
+  void retract(std::int64_t n) {
+    if (n <= 0) return;
+    shown_ -= n;
+    stats_.retracted_tokens += n;
+    ++stats_.retractions;
+    if (on_token_event_)
+      on_token_event_({token_event_kind::retract, 0, position_of_input(shown_ + 1), n, 0, false});
   }
 
   step_result draft_step() {
@@ -274,6 +390,7 @@ class progressive_session {
     inputs_.push_back(d);
     if (Verifier::needs_draft_rows) draft_rows_.insert(draft_rows_.end(), row_.begin(), row_.end());
     ++stats_.draft_tokens;
+    show(i + 1);
     return {step_kind::draft, draft_level_, 1, 0, 0, 0};
   }
 
@@ -289,7 +406,12 @@ class progressive_session {
         verifier_.verify(draft_tokens, draft_rows_, rows_, vocab_, position_of_input(1), level);
     const std::int64_t m = out.accepted;
     engine_.drop_tail(n - m);  // keep a, d1..dm
+    // The shown drafts past the accepted ones go back before anything is committed,
+    // so that the provisional tokens left stand right after the committed ones.
+    const std::int64_t before_retract = shown_;
+    retract(shown_ - std::min(m, shown_));
     step_result r{step_kind::verify, level, n + 1, m, n, 0};
+    r.retracted = before_retract - shown_;
     if (level == target_level_) {
       ++stats_.verifications;
       stats_.verified_drafts += n;
@@ -298,6 +420,7 @@ class progressive_session {
       for (std::int64_t i = 1; i <= m; ++i) commit(inputs_[static_cast<std::size_t>(i)]);
       commit(out.next);
       r.committed = static_cast<std::int64_t>(committed_.size() - before);
+      shown_ = 0;  // d1..dm confirmed; out.next committed at once
       verified_ += m + 1;
       inputs_.assign(1, out.next);
       draft_rows_.clear();
@@ -309,6 +432,9 @@ class progressive_session {
       if (Verifier::needs_draft_rows)
         draft_rows_.assign(rows_.begin(), rows_.begin() + (m + 1) * vocab_);
       fed_ = m + 1;
+      draft_level_ = level;
+      show(m + 1);  // the correction is a draft of this level
+      return r;
     }
     draft_level_ = level;
     return r;
@@ -332,6 +458,7 @@ class progressive_session {
   session_options options_;
   commit_callback on_commit_;
   commit_event_callback on_commit_event_;
+  token_event_callback on_token_event_;
   int target_level_;
   int requested_level_;
   std::int64_t prompt_tokens_;
@@ -341,6 +468,7 @@ class progressive_session {
   int draft_level_ = 0;
   std::int64_t verified_ = 0;  // exact tail entries made by this session
   std::int64_t fed_ = 0;       // inputs whose K/V sit in the tail at draft_level_
+  std::int64_t shown_ = 0;     // drafts d1..d(shown_) delivered as provisional (a prefix)
   std::vector<std::int32_t> inputs_;
   std::vector<float> draft_rows_, rows_, row_;
   std::vector<std::int32_t> committed_;

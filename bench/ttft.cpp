@@ -1,21 +1,42 @@
-// Time to first token of a disaggregated request for a Llama-3-8B-shaped cache
-// (32 layers, 8 KV heads, head_dim 128) at 8K and 32K prompt tokens, over
-// 10, 25 and 100 Gbit/s links: blocking bf16 / 8-bit / 4-bit transfers vs Lynx
-// 8 = 4 + 4 (anchor first, residual after, speculative decoding in between).
+// The headline benchmark: time to N committed tokens (N = 1, 8, 32, 64) after
+// the end of prefill, for a Llama-3-8B-shaped cache (32 layers, 8 KV heads,
+// head_dim 128) at 8K and 32K prompt tokens over 1, 10, 25 and 100 Gbit/s:
+// blocking bf16 / 8-bit / 4-bit transfers against Lynx 8 = 4 + 4 (anchor first,
+// residual after, drafting on the anchor until the residual lands, then one
+// verification pass). Plus the time to Lynx's first provisional token (a draft,
+// shown as provisional) against blocking 4-bit's first token, and retractions.
 //
-// Measured in this binary (Google Benchmark, this CPU): encode of one layer
-// (bf16 input) and reconstruction of one layer to bf16 (anchor and all planes),
-// single thread and all threads. The link is lynx::simulated_link driven by
-// lynx::stream_scheduler with real segment headers and the real segment sizes
-// (payloads are not touched: a timeline, not a copy). Assumed, stated in the
-// output: the prefill time and the decode-step time of an 8B model on the GPU.
-// Encode is pipelined with the link (layer l is posted when its encode ends);
-// the decode node reconstructs each layer when it has landed.
+// Every transfer crosses the same link: lynx::simulated_link, one lane, one rate,
+// driven by lynx::stream_scheduler with real segment headers and the real
+// segment sizes (payloads are not touched: a timeline, not a copy). Encode is
+// pipelined with the link (layer l is posted when its encode ends); the decode
+// node reconstructs each layer when it has landed.
+//
+// Two cost models side by side (printed with the tables):
+//   cpu  encode and reconstruct per layer measured in this binary (Google
+//        Benchmark, all threads of this CPU);
+//   gpu  encode and reconstruct at 70% of H100 HBM3 bandwidth (issue 33's bar,
+//        not yet measured on a device).
+// Both charge the model's forwards with a stated GPU model (no CPU decodes an 8B
+// model at serving speed): a decode step reads the weights and the KV cache at
+// 80% of 3.35 TB/s; verifying k drafts costs one step plus the k tokens'
+// FLOPs at half of 989 TFLOP/s (NVIDIA H100 SXM datasheet; Llama-3-8B: 8.03e9
+// parameters, Meta's model card).
+//
+//   ./build/release/bench/bench_ttft [--csv FILE] [--prefix P] [--batch B]
+// --csv appends every row to FILE (bench/plot_ttft.py draws the curves from it);
+// --prefix P: the "measured" Lynx column accepts the first P drafts (the tokens
+// before the anchor-only decode first disagrees; bench_acceptance_models measured
+// 7.8 to 31.5 for Gemma-3-270M at 4K-16K with a 4-bit anchor of 8; default 8);
+// --batch B: the decode node runs B requests of the same length in one batch, so a
+// step reads the weights once and B caches (default 1, a lone request; a serving
+// node runs many: B = 8 of 32K tokens is 34 GB of cache beside 16 GB of weights).
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
 #include <array>
 #include <cstdio>
+#include <cstring>
 #include <map>
 #include <random>
 #include <string>
@@ -31,13 +52,31 @@ namespace {
 constexpr int layers = 32;
 constexpr std::int64_t kv_heads = 8, head_dim = 128;
 const std::int64_t token_counts[] = {8192, 32768};
-const double link_gbps[] = {10, 25, 100};
+const double link_gbps[] = {1, 10, 25, 100};
+const int token_targets[] = {1, 8, 32, 64};
+constexpr int draft_cap = 64;  // the landing-aware policy's bound on drafts in flight
 
-// Assumed GPU-side costs of an 8B model (the decode node's forward passes);
-// stated beside the table. Verification of k+1 tokens is memory-bound like a
-// decode step, so it is charged one step plus 10%.
-double assumed_prefill_s(std::int64_t tokens) { return tokens == 8192 ? 0.60 : 3.20; }
-double assumed_step_s(std::int64_t tokens) { return tokens == 8192 ? 0.012 : 0.020; }
+// The stated GPU model (see the top of the file).
+constexpr double hbm_bytes_per_s = 3.35e12, decode_bandwidth_share = 0.8,
+                 codec_bandwidth_share = 0.7;
+constexpr double peak_flops = 989e12, verify_flops_share = 0.5;
+constexpr double model_params = 8.03e9;
+double kv_cache_bytes(std::int64_t tokens) {
+  return static_cast<double>(layers) * 2 * tokens * kv_heads * head_dim * 2;  // bf16 K and V
+}
+int decode_batch = 1;  // requests of this length decoded together on the decode node (--batch)
+double gpu_step_s(std::int64_t tokens) {
+  return (model_params * 2 + decode_batch * kv_cache_bytes(tokens)) /
+         (hbm_bytes_per_s * decode_bandwidth_share);
+}
+double gpu_verify_s(std::int64_t tokens, int drafts) {
+  return gpu_step_s(tokens) + 2.0 * model_params * (drafts + 1) / (peak_flops * verify_flops_share);
+}
+// Per layer: bf16 K and V read, `out` bytes written (encode) or the reverse.
+double gpu_codec_s(std::int64_t tokens, double segment_bytes) {
+  return (kv_cache_bytes(tokens) / layers + segment_bytes) /
+         (hbm_bytes_per_s * codec_bandwidth_share);
+}
 
 struct layer_input {
   std::vector<lynx::bf16> keys, values;
@@ -129,18 +168,12 @@ std::string key(const char* what, std::int64_t tokens, int threads, int level = 
   return k + "/real_time";
 }
 
-struct ttft_row {
-  double first_token = 0;  // first token after the prefill's that the user gets (committed)
-  double first_draft = -1;
-  double anchor_landed = 0, all_landed = 0;
-};
-
 // Sends `streams` streams of every layer of `Plan` through the scheduler over a
 // one-lane link; returns when the first stream (anchor) and all streams have
 // landed on every layer, encode pipelined with sending.
 template <class Plan>
 std::pair<double, double> link_times(std::int64_t tokens, double gbps, int streams,
-                                     double encode_per_layer, double start) {
+                                     double encode_per_layer) {
   const lynx::layer_geometry g = lynx::make_geometry<Plan, 32>({tokens, kv_heads, head_dim});
   auto options = lynx::simulated_link_options::one_lane(static_cast<std::uint64_t>(gbps * 1e9 / 8),
                                                         lynx::virtual_duration(10'000'000));
@@ -157,8 +190,8 @@ std::pair<double, double> link_times(std::int64_t tokens, double gbps, int strea
       std::memcpy(buffers.back().data(), &h, sizeof h);
     }
   for (int l = 0; l < layers; ++l) {
-    link.advance_to(lynx::virtual_time(lynx::virtual_duration(
-        static_cast<std::int64_t>((start + (l + 1) * encode_per_layer) * 1e12))));
+    link.advance_to(lynx::virtual_time(
+        lynx::virtual_duration(static_cast<std::int64_t>((l + 1) * encode_per_layer * 1e12))));
     for (int s = 0; s < streams; ++s)
       scheduler.submit(buffers[static_cast<std::size_t>(l * streams + s)].span());
     scheduler.progress();
@@ -173,109 +206,210 @@ std::pair<double, double> link_times(std::int64_t tokens, double gbps, int strea
   return {anchor, all};
 }
 
-void print_table(int threads, bool codec_free = false) {
-  if (codec_free)
+template <class Plan>
+double bytes_per_layer(std::int64_t tokens, int first = 0, int end = Plan::streams) {
+  const lynx::layer_geometry g = lynx::make_geometry<Plan, 32>({tokens, kv_heads, head_dim});
+  double n = 0;
+  for (int s = first; s < end; ++s) n += static_cast<double>(lynx::segment_bytes(g, s));
+  return n;
+}
+
+// Codec costs per layer under one cost model.
+struct codec_costs {
+  double encode_8 = 0, encode_4 = 0, encode_44 = 0;
+  double rec_8 = 0, rec_4 = 0, rec_anchor = 0, rec_44 = 0;
+};
+
+codec_costs cpu_costs(std::int64_t tokens, int threads) {
+  codec_costs c;
+  c.encode_8 = measured[key("encode_8_8", tokens, threads)];
+  c.encode_4 = c.encode_44;  // a 4-bit transfer: the bytes of the anchor (see compute_row)
+  c.encode_44 = measured[key("encode_8_4_4", tokens, threads)];
+  c.rec_8 = measured[key("reconstruct_8_8", tokens, threads, 1)];
+  c.rec_4 = measured[key("reconstruct_8_4_4", tokens, threads, 1)];
+  c.rec_anchor = measured[key("reconstruct_8_4_4", tokens, threads, 1)];
+  c.rec_44 = measured[key("reconstruct_8_4_4", tokens, threads, 2)];
+  return c;
+}
+
+codec_costs gpu_costs(std::int64_t tokens) {
+  codec_costs c;
+  c.encode_8 = c.rec_8 = gpu_codec_s(tokens, bytes_per_layer<lynx::plan_8_8>(tokens));
+  c.encode_4 = c.rec_4 = gpu_codec_s(tokens, bytes_per_layer<lynx::plan_8_4_4>(tokens, 0, 1));
+  c.encode_44 = c.rec_44 = gpu_codec_s(tokens, bytes_per_layer<lynx::plan_8_4_4>(tokens));
+  c.rec_anchor = gpu_codec_s(tokens, bytes_per_layer<lynx::plan_8_4_4>(tokens, 0, 1));
+  return c;
+}
+
+// One row: every time is seconds after the end of prefill; tokens counted after
+// the prefill's own token.
+struct row_times {
+  double bf16[4], blocking8[4], blocking4[4];
+  double lynx_all[4], lynx_prefix[4], lynx_none[4];
+  double first_provisional = 0;
+  int drafts = 0, retracted_prefix = 0;
+  double anchor_landed = 0, all_landed = 0, whole_8 = 0;
+};
+
+row_times compute_row(std::int64_t tokens, double gbps, const codec_costs& c, int prefix) {
+  row_times r{};
+  const double step = gpu_step_s(tokens);
+  const double bf16_landed = kv_cache_bytes(tokens) * 8 / (gbps * 1e9) + 10e-6;
+  const double l8 = link_times<lynx::plan_8_8>(tokens, gbps, 1, c.encode_8).second;
+  // Blocking 4-bit: 4-bit codes and their parameters, the bytes of the anchor of 8 = 4 + 4
+  // (Lynx's plans are 8, 12 or 16 bits wide; a 4-bit code is an 8-bit code's top half).
+  const double l4 = link_times<lynx::plan_8_4_4>(tokens, gbps, 1, c.encode_4).second;
+  const auto [anchor, all] = link_times<lynx::plan_8_4_4>(tokens, gbps, 2, c.encode_44);
+  r.anchor_landed = anchor;
+  r.all_landed = all;
+  r.whole_8 = l8;
+  // Reconstruction of a layer overlaps the link except for the last layer's.
+  const double start16 = bf16_landed, start8 = l8 + c.rec_8, start4 = l4 + c.rec_4;
+  // Lynx: drafts from the anchor while the residual is in flight (the draft under
+  // way when it lands completes), at most draft_cap, then one verification.
+  const double draft_start = anchor + c.rec_anchor, usable = all + c.rec_44;
+  int drafts = 0;
+  while (drafts < draft_cap && draft_start + drafts * step < usable) ++drafts;
+  r.drafts = drafts;
+  r.first_provisional = drafts > 0 ? draft_start + step : -1;
+  const double verified =
+      std::max(usable, draft_start + drafts * step) + gpu_verify_s(tokens, drafts);
+  const int accepted_prefix = std::min(prefix, drafts);
+  r.retracted_prefix = drafts - accepted_prefix;
+  for (int i = 0; i < 4; ++i) {
+    const int n = token_targets[i];
+    r.bf16[i] = start16 + n * step;
+    r.blocking8[i] = start8 + n * step;
+    r.blocking4[i] = start4 + n * step;
+    // committed at verification: the accepted drafts plus one (correction or bonus)
+    auto lynx_time = [&](int accepted) {
+      const int at_verify = accepted + 1;
+      return verified + std::max(0, n - at_verify) * step;
+    };
+    r.lynx_all[i] = lynx_time(drafts);
+    r.lynx_prefix[i] = lynx_time(accepted_prefix);
+    r.lynx_none[i] = lynx_time(0);
+  }
+  return r;
+}
+
+void print_tables(const char* model, int threads, bool gpu, std::FILE* csv, int prefix) {
+  std::printf(
+      "\n== cost model %s: Llama-3-8B-shaped cache (32 layers x 8 KV heads x 128), one link, one "
+      "rate, 10 us latency ==\n",
+      model);
+  if (gpu)
     std::printf(
-        "\nTTFT of the first token after the prefill's (ms), Llama-3-8B-shaped cache (32 layers x "
-        "8 KV heads x 128), "
-        "one shared link, 10 us latency, encode and reconstruct NOT charged (as if on the GPU, "
-        "hidden under the link)\n");
+        "encode/reconstruct: bytes moved at 70%% of 3.35 TB/s (H100 HBM3, stated, not measured)\n");
   else
     std::printf(
-        "\nTTFT of the first token after the prefill's (ms), Llama-3-8B-shaped cache (32 layers x "
-        "8 KV heads x 128), "
-        "one shared link, 10 us latency, %d encode/reconstruct thread(s) on this CPU\n",
+        "encode/reconstruct: measured per layer on this CPU, %d thread(s) (benchmark lines "
+        "above)\n",
         threads);
   std::printf(
-      "assumed (8B model on a GPU): prefill 0.60 s at 8K, 3.20 s at 32K; decode step 12 ms at 8K, "
-      "20 ms at 32K; "
-      "verification = step + 10%%\n");
+      "decode step (stated GPU model, batch of %d): %.2f ms at 8K, %.2f ms at 32K; verification of "
+      "k drafts: step + 2 x 8.03e9 x (k+1) FLOP at 495 TFLOP/s\n",
+      decode_batch, gpu_step_s(8192) * 1e3, gpu_step_s(32768) * 1e3);
   std::printf(
-      "measured per layer here: encode and reconstruct to bf16 (see the benchmark lines "
-      "above)\n\n");
-  std::printf("%7s %6s | %9s %9s %9s | %10s %11s | %7s %7s | %10s %10s %10s\n", "tokens", "Gbit/s",
-              "bf16", "8-bit", "4-bit", "Lynx draft", "Lynx commit", "8b/Lynx", "Lynx/4b",
-              "32: 8-bit", "32: Lynx+", "32: Lynx-");
+      "times in ms after the end of prefill; N = committed tokens after the prefill's own. Lynx+: "
+      "every "
+      "draft accepted; Lynx~: the first %d accepted; Lynx-: none.\n",
+      prefix);
+  std::printf("%6s %6s %3s | %9s %9s %9s | %9s %9s %9s | %7s %7s | %6s %6s | %9s %7s\n", "tokens",
+              "Gbit/s", "N", "bf16", "8-bit", "4-bit", "Lynx+", "Lynx~", "Lynx-", "8b/L+", "8b/L~",
+              "drafts", "retr~", "1st prov", "prov/4b");
   for (const std::int64_t tokens : token_counts)
     for (const double gbps : link_gbps) {
-      const double prefill = assumed_prefill_s(tokens), step = assumed_step_s(tokens);
-      const double enc8 = codec_free ? 0.0 : measured[key("encode_8_8", tokens, threads)];
-      const double enc44 = codec_free ? 0.0 : measured[key("encode_8_4_4", tokens, threads)];
-      const double rec_full =
-          codec_free ? 0.0 : measured[key("reconstruct_8_8", tokens, threads, 1)];
-      const double rec_anchor =
-          codec_free ? 0.0 : measured[key("reconstruct_8_4_4", tokens, threads, 1)];
-      const double rec_44_full =
-          codec_free ? 0.0 : measured[key("reconstruct_8_4_4", tokens, threads, 2)];
-      // bf16: no encode; the bytes are the cache itself (2 bytes per element).
-      const double bf16_bytes = static_cast<double>(layers) * 2 * tokens * kv_heads * head_dim * 2;
-      const double bf16 = prefill + bf16_bytes * 8 / (gbps * 1e9) + 10e-6 + step;
-      // Reconstruction of a layer overlaps the link except for the last layer's.
-      const auto [a8, all8] = link_times<lynx::plan_8_8>(tokens, gbps, 1, enc8, prefill);
-      const double blocking8 = all8 + rec_full + step;
-      const auto [a4, all4] = link_times<lynx::plan_8_4_4>(tokens, gbps, 1, enc44, prefill);
-      const double blocking4 = a4 + rec_anchor + step;
-      const auto [anchor, all] = link_times<lynx::plan_8_4_4>(tokens, gbps, 2, enc44, prefill);
-      const double draft = anchor + rec_anchor + step;
-      const double commit = std::max(all + rec_44_full, draft) + step * 1.1;
-      // Time to 32 committed tokens after the prefill's: blocking 8-bit decodes one per step; Lynx
-      // drafts (up to 32) from the anchor until the residual lands, then commits the accepted
-      // prefix plus one at verification: + every draft accepted, - none accepted.
-      constexpr int n = 32;
-      const double to_n_8 = blocking8 + (n - 1) * step;
-      const double drafting = std::max(0.0, all + rec_44_full - (anchor + rec_anchor));
-      const int drafts = std::min(n, 1 + static_cast<int>(drafting / step));
-      const double to_n_best = commit + std::max(0, n - (drafts + 1)) * step;
-      const double to_n_worst = commit + (n - 1) * step;
-      std::printf(
-          "%7lld %6.0f | %9.1f %9.1f %9.1f | %10.1f %11.1f | %7.3f %7.3f | %10.1f %10.1f %10.1f\n",
-          static_cast<long long>(tokens), gbps, bf16 * 1e3, blocking8 * 1e3, blocking4 * 1e3,
-          draft * 1e3, commit * 1e3, blocking8 / commit, draft / blocking4, to_n_8 * 1e3,
-          to_n_best * 1e3, to_n_worst * 1e3);
+      const codec_costs c = gpu ? gpu_costs(tokens) : cpu_costs(tokens, threads);
+      const row_times r = compute_row(tokens, gbps, c, prefix);
+      const double first4 = r.blocking4[0];
+      for (int i = 0; i < 4; ++i) {
+        std::printf(
+            "%6lld %6.0f %3d | %9.1f %9.1f %9.1f | %9.1f %9.1f %9.1f | %7.3f %7.3f | %6d %6d | "
+            "%9.1f "
+            "%7.3f\n",
+            static_cast<long long>(tokens), gbps, token_targets[i], r.bf16[i] * 1e3,
+            r.blocking8[i] * 1e3, r.blocking4[i] * 1e3, r.lynx_all[i] * 1e3, r.lynx_prefix[i] * 1e3,
+            r.lynx_none[i] * 1e3, r.blocking8[i] / r.lynx_all[i], r.blocking8[i] / r.lynx_prefix[i],
+            r.drafts, r.retracted_prefix, r.first_provisional * 1e3, r.first_provisional / first4);
+        if (csv)
+          std::fprintf(csv,
+                       "%s,%d,%lld,%g,%d,%.6f,%.6f,%.6f,%.6f,%.6f,%.6f,%.6f,%d,%d,%.6f,%.6f,%.6f\n",
+                       model, decode_batch, static_cast<long long>(tokens), gbps, token_targets[i],
+                       r.bf16[i], r.blocking8[i], r.blocking4[i], r.lynx_all[i], r.lynx_prefix[i],
+                       r.lynx_none[i], r.first_provisional, r.drafts, r.retracted_prefix,
+                       r.anchor_landed, r.all_landed, r.whole_8);
+      }
     }
   std::printf(
-      "\nLynx draft: the first token drafted on the anchor (what a 4-bit transfer would show); "
-      "Lynx commit: the first\n"
-      "token verified at full precision, i.e. what Lynx hands the user. 8b/Lynx > 1 means Lynx "
-      "commits earlier than a\n"
-      "blocking 8-bit transfer; Lynx/4b near 1 means drafting starts when a 4-bit transfer would "
-      "have landed.\n"
-      "32: time to 32 committed tokens after the prefill's; Lynx+ if every draft made before the "
-      "residual landed is\n"
-      "accepted, Lynx- if none is (the acceptance rate of a real model lies between).\n");
+      "\n8b/L+ > 1: Lynx commits N tokens sooner than a blocking 8-bit transfer (every draft "
+      "accepted); 8b/L~ the same with the stated prefix.\n"
+      "1st prov: Lynx's first provisional token (a draft on the anchor); prov/4b near 1: it comes "
+      "when a blocking 4-bit transfer's first token would.\n"
+      "retr~: drafts retracted at verification with the stated prefix (Lynx+: 0; Lynx-: all).\n"
+      "Bars (issue 29), 8K and 32K at 10 Gbit/s: 8b/L+ >= 1.25 at N = 32, prov/4b <= 1.05.\n");
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  benchmark::Initialize(&argc, argv);
+  std::string csv_path;
+  int prefix = 8;
+  // our flags first; the rest goes to Google Benchmark
+  std::vector<char*> rest{argv[0]};
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--csv" && i + 1 < argc)
+      csv_path = argv[++i];
+    else if (a == "--prefix" && i + 1 < argc)
+      prefix = std::stoi(argv[++i]);
+    else if (a == "--batch" && i + 1 < argc)
+      decode_batch = std::stoi(argv[++i]);
+    else
+      rest.push_back(argv[i]);
+  }
+  int rest_argc = static_cast<int>(rest.size());
+  benchmark::Initialize(&rest_argc, rest.data());
   const int all = lynx::detail::hardware_threads();
-  for (const std::int64_t tokens : token_counts)
-    for (const int threads : {1, all}) {
-      benchmark::RegisterBenchmark("encode_8_8", encode_layer<lynx::plan_8_8>)
-          ->Args({tokens, threads})
+  for (const std::int64_t tokens : token_counts) {
+    benchmark::RegisterBenchmark("encode_8_8", encode_layer<lynx::plan_8_8>)
+        ->Args({tokens, all})
+        ->UseRealTime()
+        ->Unit(benchmark::kMillisecond);
+    benchmark::RegisterBenchmark("encode_8_4_4", encode_layer<lynx::plan_8_4_4>)
+        ->Args({tokens, all})
+        ->UseRealTime()
+        ->Unit(benchmark::kMillisecond);
+    benchmark::RegisterBenchmark("reconstruct_8_8", reconstruct_layer<lynx::plan_8_8>)
+        ->Args({tokens, all, 1})
+        ->UseRealTime()
+        ->Unit(benchmark::kMillisecond);
+    for (int level : {1, 2})
+      benchmark::RegisterBenchmark("reconstruct_8_4_4", reconstruct_layer<lynx::plan_8_4_4>)
+          ->Args({tokens, all, level})
           ->UseRealTime()
           ->Unit(benchmark::kMillisecond);
-      benchmark::RegisterBenchmark("encode_8_4_4", encode_layer<lynx::plan_8_4_4>)
-          ->Args({tokens, threads})
-          ->UseRealTime()
-          ->Unit(benchmark::kMillisecond);
-      benchmark::RegisterBenchmark("reconstruct_8_8", reconstruct_layer<lynx::plan_8_8>)
-          ->Args({tokens, threads, 1})
-          ->UseRealTime()
-          ->Unit(benchmark::kMillisecond);
-      for (int level : {1, 2})
-        benchmark::RegisterBenchmark("reconstruct_8_4_4", reconstruct_layer<lynx::plan_8_4_4>)
-            ->Args({tokens, threads, level})
-            ->UseRealTime()
-            ->Unit(benchmark::kMillisecond);
-    }
+  }
   capturing_reporter reporter;
   benchmark::RunSpecifiedBenchmarks(&reporter);
   benchmark::Shutdown();
-  if (measured.empty()) return 0;  // filtered out: nothing to tabulate
-  print_table(1);
-  if (all > 1) print_table(all);
-  print_table(1, true);
+  std::FILE* csv = nullptr;
+  if (!csv_path.empty()) {
+    csv = std::fopen(csv_path.c_str(), "a");  // appends: runs with other --batch values add rows
+    if (!csv) {
+      std::fprintf(stderr, "cannot write %s\n", csv_path.c_str());
+      return 1;
+    }
+    std::fseek(csv, 0, SEEK_END);
+    if (std::ftell(csv) == 0)
+      std::fprintf(
+          csv,
+          "model,batch,tokens,gbps,n,bf16_s,blocking8_s,blocking4_s,lynx_all_s,lynx_prefix_s,"
+          "lynx_none_s,first_provisional_s,drafts,retracted_prefix,anchor_landed_s,"
+          "all_landed_s,blocking8_landed_s\n");
+  }
+  print_tables("gpu", all, true, csv, prefix);
+  if (measured.size() >= 5 * 2) print_tables("cpu", all, false, csv, prefix);
+  if (csv) std::fclose(csv);
   return 0;
 }

@@ -22,15 +22,17 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("csv")
     ap.add_argument("out", help="output file (.svg or .png)")
-    ap.add_argument("--model", default="gpu", help="cost model rows to draw (gpu or cpu)")
+    ap.add_argument("--cost", default="gpu", help="cost model of the rows to draw (gpu or cpu)")
+    ap.add_argument("--model", default="Llama-3-8B", help="model of the rows (Llama-3-8B, Gemma-3-270M)")
     ap.add_argument("--gbps", default="10,100", help="link rates to draw, comma separated")
     ap.add_argument("--batch", default="1", help="decode batch of the rows to draw (bench_ttft --batch)")
     args = ap.parse_args()
 
     rows = [r for r in csv.DictReader(open(args.csv))
-            if r["model"] == args.model and r["batch"] == args.batch]
+            if r["cost"] == args.cost and r["model"] == args.model and r["batch"] == args.batch]
     if not rows:
-        print(f"no rows of cost model '{args.model}' in {args.csv}", file=sys.stderr)
+        print(f"no rows of {args.model}, cost model {args.cost}, batch {args.batch} in {args.csv}",
+              file=sys.stderr)
         return 1
     rates = [float(x) for x in args.gbps.split(",")]
     prompts = sorted({int(r["tokens"]) for r in rows})
@@ -61,13 +63,13 @@ def main() -> int:
                 ax.axvline(prov, color="tab:green", linestyle="-.", linewidth=1,
                            label="Lynx first provisional token")
             ax.set_title(f"{tokens // 1024}K prompt tokens, {gbps:g} Gbit/s "
-                         f"({args.model} cost model, decode batch {args.batch})", fontsize=10)
+                         f"({args.cost} cost model, decode batch {args.batch})", fontsize=10)
             ax.set_xlabel("ms after the end of prefill")
             ax.set_ylabel("committed tokens")
             ax.grid(alpha=0.3)
     handles, labels = axes[0][0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=9)
-    fig.suptitle("Llama-3-8B-shaped KV cache (32 layers x 8 KV heads x 128): time to N committed tokens",
+    fig.suptitle(f"{args.model} KV cache: time to N committed tokens after the end of prefill",
                  fontsize=11)
     fig.tight_layout(rect=(0, 0.08, 1, 0.96))
     fig.savefig(args.out)

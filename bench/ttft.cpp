@@ -1,6 +1,8 @@
 // The headline benchmark: time to N committed tokens (N = 1, 8, 32, 64) after
 // the end of prefill, for a Llama-3-8B-shaped cache (32 layers, 8 KV heads,
-// head_dim 128) at 8K and 32K prompt tokens over 1, 10, 25 and 100 Gbit/s:
+// head_dim 128) and Gemma-3-270M's (18 layers, 1 KV head, head_dim 256; its 15
+// sliding-window layers ship their last 511 tokens, as examples/gemma3 does) at
+// 8K and 32K prompt tokens over 1, 10, 25 and 100 Gbit/s:
 // blocking bf16 / 8-bit / 4-bit transfers against Lynx 8 = 4 + 4 (anchor first,
 // residual after, drafting on the anchor until the residual lands, then one
 // verification pass). Plus the time to Lynx's first provisional token (a draft,
@@ -17,11 +19,12 @@
 //        Benchmark, all threads of this CPU);
 //   gpu  encode and reconstruct at 70% of H100 HBM3 bandwidth (issue 33's bar,
 //        not yet measured on a device).
-// Both charge the model's forwards with a stated GPU model (no CPU decodes an 8B
-// model at serving speed): a decode step reads the weights and the KV cache at
-// 80% of 3.35 TB/s; verifying k drafts costs one step plus the k tokens'
-// FLOPs at half of 989 TFLOP/s (NVIDIA H100 SXM datasheet; Llama-3-8B: 8.03e9
-// parameters, Meta's model card).
+// Forwards: a stated GPU model (no CPU decodes an 8B model at serving speed): a
+// decode step reads the weights and the KV cache at 80% of 3.35 TB/s (at least
+// 1 ms: a small model's step is launch-bound); verifying k drafts costs one step
+// plus the k tokens' FLOPs at half of 989 TFLOP/s (NVIDIA H100 SXM datasheet;
+// Llama-3-8B: 8.03e9 parameters, Meta's model card). The cpu cost model charges
+// Gemma-3-270M's forwards as bench_gemma3 measured them on this 2-core machine.
 //
 //   ./build/release/bench/bench_ttft [--csv FILE] [--prefix P] [--batch B]
 // --csv appends every row to FILE (bench/plot_ttft.py draws the curves from it);
@@ -49,34 +52,54 @@
 
 namespace {
 
-constexpr int layers = 32;
+// The Llama-3-8B layer the codec benchmarks run on.
 constexpr std::int64_t kv_heads = 8, head_dim = 128;
 const std::int64_t token_counts[] = {8192, 32768};
 const double link_gbps[] = {1, 10, 25, 100};
 const int token_targets[] = {1, 8, 32, 64};
 constexpr int draft_cap = 64;  // the landing-aware policy's bound on drafts in flight
 
+// A model's cache as it crosses the link: per layer, the tokens shipped (a
+// sliding-window layer ships only its window, as the Gemma-3 example does).
+struct model_case {
+  const char* name;
+  int layers;
+  std::int64_t kv_heads, head_dim;
+  double params;          // weights (bf16 on the GPU)
+  int window = 0;         // sliding window of the local layers (0: none)
+  int global_period = 0;  // every global_period-th layer (the last of each period) is global
+  [[nodiscard]] std::int64_t shipped(int layer, std::int64_t tokens) const {
+    const bool local = window > 0 && (layer + 1) % global_period != 0;
+    return local ? std::min<std::int64_t>(tokens, window - 1) : tokens;
+  }
+  [[nodiscard]] double cache_bytes(std::int64_t tokens) const {  // bf16 K and V, as shipped
+    double n = 0;
+    for (int l = 0; l < layers; ++l) n += 2.0 * shipped(l, tokens) * kv_heads * head_dim * 2;
+    return n;
+  }
+};
+// Llama-3-8B: Meta's model card. Gemma-3-270M: its GGUF metadata and
+// ../shared/notes/GEMMA3.md (window 512, layers 5, 11, 17 global).
+const model_case llama{"Llama-3-8B", 32, 8, 128, 8.03e9};
+const model_case gemma{"Gemma-3-270M", 18, 1, 256, 2.68e8, 512, 6};
+
 // The stated GPU model (see the top of the file).
 constexpr double hbm_bytes_per_s = 3.35e12, decode_bandwidth_share = 0.8,
                  codec_bandwidth_share = 0.7;
 constexpr double peak_flops = 989e12, verify_flops_share = 0.5;
-constexpr double model_params = 8.03e9;
-double kv_cache_bytes(std::int64_t tokens) {
-  return static_cast<double>(layers) * 2 * tokens * kv_heads * head_dim * 2;  // bf16 K and V
-}
+constexpr double min_gpu_step_s = 1e-3;  // a small model's step is launch-bound (stated floor)
 int decode_batch = 1;  // requests of this length decoded together on the decode node (--batch)
-double gpu_step_s(std::int64_t tokens) {
-  return (model_params * 2 + decode_batch * kv_cache_bytes(tokens)) /
-         (hbm_bytes_per_s * decode_bandwidth_share);
+double gpu_step_s(const model_case& m, std::int64_t tokens) {
+  return std::max(min_gpu_step_s, (m.params * 2 + decode_batch * m.cache_bytes(tokens)) /
+                                      (hbm_bytes_per_s * decode_bandwidth_share));
 }
-double gpu_verify_s(std::int64_t tokens, int drafts) {
-  return gpu_step_s(tokens) + 2.0 * model_params * (drafts + 1) / (peak_flops * verify_flops_share);
+double gpu_verify_s(const model_case& m, std::int64_t tokens, int drafts) {
+  return gpu_step_s(m, tokens) + 2.0 * m.params * (drafts + 1) / (peak_flops * verify_flops_share);
 }
-// Per layer: bf16 K and V read, `out` bytes written (encode) or the reverse.
-double gpu_codec_s(std::int64_t tokens, double segment_bytes) {
-  return (kv_cache_bytes(tokens) / layers + segment_bytes) /
-         (hbm_bytes_per_s * codec_bandwidth_share);
-}
+// Measured on this machine (bench_gemma3, 2 threads, 4K context): one Gemma-3-270M
+// decode step 33 ms, a verification forward of k tokens about 1 + 0.16 k steps
+// (2.29x at k = 8, 3.86x at k = 16). The cpu cost model charges Gemma's forwards so.
+constexpr double gemma_cpu_step_s = 0.033, gemma_cpu_verify_per_token = 0.16;
 
 struct layer_input {
   std::vector<lynx::bf16> keys, values;
@@ -168,13 +191,44 @@ std::string key(const char* what, std::int64_t tokens, int threads, int level = 
   return k + "/real_time";
 }
 
+// Codec seconds per element (K and V elements of a layer) under one cost model.
+struct codec_rates {
+  double encode_8 = 0, encode_4 = 0, encode_44 = 0;
+  double rec_8 = 0, rec_4 = 0, rec_anchor = 0, rec_44 = 0;
+};
+
+// cpu: measured on the Llama-3-8B layer at `tokens`, per element; other shapes
+// are charged in proportion to their elements.
+codec_rates cpu_rates(std::int64_t tokens, int threads) {
+  const double elements = static_cast<double>(tokens) * kv_heads * head_dim;
+  codec_rates c;
+  c.encode_8 = measured[key("encode_8_8", tokens, threads)] / elements;
+  c.encode_44 = measured[key("encode_8_4_4", tokens, threads)] / elements;
+  c.encode_4 = c.encode_44;  // a 4-bit transfer: the bytes of the anchor (see compute_row)
+  c.rec_8 = measured[key("reconstruct_8_8", tokens, threads, 1)] / elements;
+  c.rec_4 = c.rec_anchor = measured[key("reconstruct_8_4_4", tokens, threads, 1)] / elements;
+  c.rec_44 = measured[key("reconstruct_8_4_4", tokens, threads, 2)] / elements;
+  return c;
+}
+
+// gpu: bf16 K and V read and the segment bytes written (or the reverse) at 70% of
+// HBM bandwidth: 4 bytes per element plus B/8 (8 or 4 bits) plus the parameters.
+codec_rates gpu_rates() {
+  const double bw = hbm_bytes_per_s * codec_bandwidth_share;
+  const double params = 2.0 * 2 * 2 / 32;  // scale and zero point, bf16, per 32 elements, K and V
+  codec_rates c;
+  c.encode_8 = c.rec_8 = c.encode_44 = c.rec_44 = (4 + 1 + params) / bw;
+  c.encode_4 = c.rec_4 = c.rec_anchor = (4 + 0.5 + params) / bw;
+  return c;
+}
+
 // Sends `streams` streams of every layer of `Plan` through the scheduler over a
 // one-lane link; returns when the first stream (anchor) and all streams have
-// landed on every layer, encode pipelined with sending.
+// landed on every layer, encode pipelined with sending (layer l is posted when
+// its encode, `encode_rate` seconds per element, ends).
 template <class Plan>
-std::pair<double, double> link_times(std::int64_t tokens, double gbps, int streams,
-                                     double encode_per_layer) {
-  const lynx::layer_geometry g = lynx::make_geometry<Plan, 32>({tokens, kv_heads, head_dim});
+std::pair<double, double> link_times(const model_case& m, std::int64_t tokens, double gbps,
+                                     int streams, double encode_rate) {
   auto options = lynx::simulated_link_options::one_lane(static_cast<std::uint64_t>(gbps * 1e9 / 8),
                                                         lynx::virtual_duration(10'000'000));
   options.keep_bytes = false;
@@ -183,15 +237,20 @@ std::pair<double, double> link_times(std::int64_t tokens, double gbps, int strea
   link.on_step([&] { scheduler.progress(); });
   // Real headers in buffers of the real sizes; the payload pages are never touched.
   std::vector<lynx::aligned_buffer> buffers;
-  for (int l = 0; l < layers; ++l)
+  for (int l = 0; l < m.layers; ++l) {
+    const lynx::layer_geometry g =
+        lynx::make_geometry<Plan, 32>({m.shipped(l, tokens), m.kv_heads, m.head_dim});
     for (int s = 0; s < streams; ++s) {
       buffers.emplace_back(lynx::segment_bytes(g, s));
       const lynx::segment_header h = lynx::make_header(g, static_cast<std::uint32_t>(l), s, 0);
       std::memcpy(buffers.back().data(), &h, sizeof h);
     }
-  for (int l = 0; l < layers; ++l) {
-    link.advance_to(lynx::virtual_time(
-        lynx::virtual_duration(static_cast<std::int64_t>((l + 1) * encode_per_layer * 1e12))));
+  }
+  double encoded = 0;
+  for (int l = 0; l < m.layers; ++l) {
+    encoded += encode_rate * static_cast<double>(m.shipped(l, tokens) * m.kv_heads * m.head_dim);
+    link.advance_to(
+        lynx::virtual_time(lynx::virtual_duration(static_cast<std::int64_t>(encoded * 1e12))));
     for (int s = 0; s < streams; ++s)
       scheduler.submit(buffers[static_cast<std::size_t>(l * streams + s)].span());
     scheduler.progress();
@@ -206,41 +265,6 @@ std::pair<double, double> link_times(std::int64_t tokens, double gbps, int strea
   return {anchor, all};
 }
 
-template <class Plan>
-double bytes_per_layer(std::int64_t tokens, int first = 0, int end = Plan::streams) {
-  const lynx::layer_geometry g = lynx::make_geometry<Plan, 32>({tokens, kv_heads, head_dim});
-  double n = 0;
-  for (int s = first; s < end; ++s) n += static_cast<double>(lynx::segment_bytes(g, s));
-  return n;
-}
-
-// Codec costs per layer under one cost model.
-struct codec_costs {
-  double encode_8 = 0, encode_4 = 0, encode_44 = 0;
-  double rec_8 = 0, rec_4 = 0, rec_anchor = 0, rec_44 = 0;
-};
-
-codec_costs cpu_costs(std::int64_t tokens, int threads) {
-  codec_costs c;
-  c.encode_8 = measured[key("encode_8_8", tokens, threads)];
-  c.encode_4 = c.encode_44;  // a 4-bit transfer: the bytes of the anchor (see compute_row)
-  c.encode_44 = measured[key("encode_8_4_4", tokens, threads)];
-  c.rec_8 = measured[key("reconstruct_8_8", tokens, threads, 1)];
-  c.rec_4 = measured[key("reconstruct_8_4_4", tokens, threads, 1)];
-  c.rec_anchor = measured[key("reconstruct_8_4_4", tokens, threads, 1)];
-  c.rec_44 = measured[key("reconstruct_8_4_4", tokens, threads, 2)];
-  return c;
-}
-
-codec_costs gpu_costs(std::int64_t tokens) {
-  codec_costs c;
-  c.encode_8 = c.rec_8 = gpu_codec_s(tokens, bytes_per_layer<lynx::plan_8_8>(tokens));
-  c.encode_4 = c.rec_4 = gpu_codec_s(tokens, bytes_per_layer<lynx::plan_8_4_4>(tokens, 0, 1));
-  c.encode_44 = c.rec_44 = gpu_codec_s(tokens, bytes_per_layer<lynx::plan_8_4_4>(tokens));
-  c.rec_anchor = gpu_codec_s(tokens, bytes_per_layer<lynx::plan_8_4_4>(tokens, 0, 1));
-  return c;
-}
-
 // One row: every time is seconds after the end of prefill; tokens counted after
 // the prefill's own token.
 struct row_times {
@@ -249,31 +273,42 @@ struct row_times {
   double first_provisional = 0;
   int drafts = 0, retracted_prefix = 0;
   double anchor_landed = 0, all_landed = 0, whole_8 = 0;
+  double step = 0;
 };
 
-row_times compute_row(std::int64_t tokens, double gbps, const codec_costs& c, int prefix) {
+row_times compute_row(const model_case& m, std::int64_t tokens, double gbps, const codec_rates& c,
+                      bool cpu_forwards, int prefix) {
   row_times r{};
-  const double step = gpu_step_s(tokens);
-  const double bf16_landed = kv_cache_bytes(tokens) * 8 / (gbps * 1e9) + 10e-6;
-  const double l8 = link_times<lynx::plan_8_8>(tokens, gbps, 1, c.encode_8).second;
+  const bool gemma_cpu = cpu_forwards && m.window > 0;
+  const double step = gemma_cpu ? gemma_cpu_step_s : gpu_step_s(m, tokens);
+  const auto verify_s = [&](int drafts) {
+    return gemma_cpu ? gemma_cpu_step_s * (1 + gemma_cpu_verify_per_token * (drafts + 1))
+                     : gpu_verify_s(m, tokens, drafts);
+  };
+  r.step = step;
+  // Reconstruction: the last layer's (a global one) once it has landed; the others overlap.
+  const double last_elements =
+      static_cast<double>(m.shipped(m.layers - 1, tokens) * m.kv_heads * m.head_dim);
+  const double bf16_landed = m.cache_bytes(tokens) * 8 / (gbps * 1e9) + 10e-6;
+  const double l8 = link_times<lynx::plan_8_8>(m, tokens, gbps, 1, c.encode_8).second;
   // Blocking 4-bit: 4-bit codes and their parameters, the bytes of the anchor of 8 = 4 + 4
   // (Lynx's plans are 8, 12 or 16 bits wide; a 4-bit code is an 8-bit code's top half).
-  const double l4 = link_times<lynx::plan_8_4_4>(tokens, gbps, 1, c.encode_4).second;
-  const auto [anchor, all] = link_times<lynx::plan_8_4_4>(tokens, gbps, 2, c.encode_44);
+  const double l4 = link_times<lynx::plan_8_4_4>(m, tokens, gbps, 1, c.encode_4).second;
+  const auto [anchor, all] = link_times<lynx::plan_8_4_4>(m, tokens, gbps, 2, c.encode_44);
   r.anchor_landed = anchor;
   r.all_landed = all;
   r.whole_8 = l8;
-  // Reconstruction of a layer overlaps the link except for the last layer's.
-  const double start16 = bf16_landed, start8 = l8 + c.rec_8, start4 = l4 + c.rec_4;
+  const double start16 = bf16_landed, start8 = l8 + c.rec_8 * last_elements,
+               start4 = l4 + c.rec_4 * last_elements;
   // Lynx: drafts from the anchor while the residual is in flight (the draft under
   // way when it lands completes), at most draft_cap, then one verification.
-  const double draft_start = anchor + c.rec_anchor, usable = all + c.rec_44;
+  const double draft_start = anchor + c.rec_anchor * last_elements,
+               usable = all + c.rec_44 * last_elements;
   int drafts = 0;
   while (drafts < draft_cap && draft_start + drafts * step < usable) ++drafts;
   r.drafts = drafts;
   r.first_provisional = drafts > 0 ? draft_start + step : -1;
-  const double verified =
-      std::max(usable, draft_start + drafts * step) + gpu_verify_s(tokens, drafts);
+  const double verified = std::max(usable, draft_start + drafts * step) + verify_s(drafts);
   const int accepted_prefix = std::min(prefix, drafts);
   r.retracted_prefix = drafts - accepted_prefix;
   for (int i = 0; i < 4; ++i) {
@@ -293,52 +328,60 @@ row_times compute_row(std::int64_t tokens, double gbps, const codec_costs& c, in
   return r;
 }
 
-void print_tables(const char* model, int threads, bool gpu, std::FILE* csv, int prefix) {
+void print_tables(const model_case& m, const char* cost, int threads, std::FILE* csv, int prefix) {
+  const bool gpu = std::string(cost) == "gpu";
   std::printf(
-      "\n== cost model %s: Llama-3-8B-shaped cache (32 layers x 8 KV heads x 128), one link, one "
-      "rate, 10 us latency ==\n",
-      model);
+      "\n== %s (%d layers x %lld KV heads x %lld%s), cost model %s, one link, one rate, 10 us "
+      "latency ==\n",
+      m.name, m.layers, static_cast<long long>(m.kv_heads), static_cast<long long>(m.head_dim),
+      m.window ? ", local layers ship their window" : "", cost);
   if (gpu)
     std::printf(
-        "encode/reconstruct: bytes moved at 70%% of 3.35 TB/s (H100 HBM3, stated, not measured)\n");
+        "encode/reconstruct: bytes moved at 70%% of 3.35 TB/s (H100 HBM3, stated, not "
+        "measured)\n");
   else
     std::printf(
-        "encode/reconstruct: measured per layer on this CPU, %d thread(s) (benchmark lines "
+        "encode/reconstruct: measured per element on this CPU, %d thread(s) (benchmark lines "
         "above)\n",
         threads);
-  std::printf(
-      "decode step (stated GPU model, batch of %d): %.2f ms at 8K, %.2f ms at 32K; verification of "
-      "k drafts: step + 2 x 8.03e9 x (k+1) FLOP at 495 TFLOP/s\n",
-      decode_batch, gpu_step_s(8192) * 1e3, gpu_step_s(32768) * 1e3);
+  if (!gpu && m.window)
+    std::printf(
+        "forwards: measured on this CPU (bench_gemma3): step %.0f ms, verification of k drafts "
+        "(1 + %.2f (k+1)) steps\n",
+        gemma_cpu_step_s * 1e3, gemma_cpu_verify_per_token);
+  else
+    std::printf(
+        "forwards (stated GPU model, batch of %d): step %.2f ms at 8K, %.2f ms at 32K; "
+        "verification of k drafts: step + 2 x %.3g x (k+1) FLOP at 495 TFLOP/s\n",
+        decode_batch, gpu_step_s(m, 8192) * 1e3, gpu_step_s(m, 32768) * 1e3, m.params);
   std::printf(
       "times in ms after the end of prefill; N = committed tokens after the prefill's own. Lynx+: "
-      "every "
-      "draft accepted; Lynx~: the first %d accepted; Lynx-: none.\n",
+      "every draft accepted; Lynx~: the first %d accepted; Lynx-: none.\n",
       prefix);
   std::printf("%6s %6s %3s | %9s %9s %9s | %9s %9s %9s | %7s %7s | %6s %6s | %9s %7s\n", "tokens",
               "Gbit/s", "N", "bf16", "8-bit", "4-bit", "Lynx+", "Lynx~", "Lynx-", "8b/L+", "8b/L~",
               "drafts", "retr~", "1st prov", "prov/4b");
   for (const std::int64_t tokens : token_counts)
     for (const double gbps : link_gbps) {
-      const codec_costs c = gpu ? gpu_costs(tokens) : cpu_costs(tokens, threads);
-      const row_times r = compute_row(tokens, gbps, c, prefix);
+      const codec_rates c = gpu ? gpu_rates() : cpu_rates(tokens, threads);
+      const row_times r = compute_row(m, tokens, gbps, c, !gpu, prefix);
       const double first4 = r.blocking4[0];
       for (int i = 0; i < 4; ++i) {
         std::printf(
             "%6lld %6.0f %3d | %9.1f %9.1f %9.1f | %9.1f %9.1f %9.1f | %7.3f %7.3f | %6d %6d | "
-            "%9.1f "
-            "%7.3f\n",
+            "%9.1f %7.3f\n",
             static_cast<long long>(tokens), gbps, token_targets[i], r.bf16[i] * 1e3,
             r.blocking8[i] * 1e3, r.blocking4[i] * 1e3, r.lynx_all[i] * 1e3, r.lynx_prefix[i] * 1e3,
             r.lynx_none[i] * 1e3, r.blocking8[i] / r.lynx_all[i], r.blocking8[i] / r.lynx_prefix[i],
             r.drafts, r.retracted_prefix, r.first_provisional * 1e3, r.first_provisional / first4);
         if (csv)
           std::fprintf(csv,
-                       "%s,%d,%lld,%g,%d,%.6f,%.6f,%.6f,%.6f,%.6f,%.6f,%.6f,%d,%d,%.6f,%.6f,%.6f\n",
-                       model, decode_batch, static_cast<long long>(tokens), gbps, token_targets[i],
-                       r.bf16[i], r.blocking8[i], r.blocking4[i], r.lynx_all[i], r.lynx_prefix[i],
-                       r.lynx_none[i], r.first_provisional, r.drafts, r.retracted_prefix,
-                       r.anchor_landed, r.all_landed, r.whole_8);
+                       "%s,%s,%d,%lld,%g,%d,%.6f,%.6f,%.6f,%.6f,%.6f,%.6f,%.6f,%d,%d,%.6f,%.6f,"
+                       "%.6f\n",
+                       cost, m.name, decode_batch, static_cast<long long>(tokens), gbps,
+                       token_targets[i], r.bf16[i], r.blocking8[i], r.blocking4[i], r.lynx_all[i],
+                       r.lynx_prefix[i], r.lynx_none[i], r.first_provisional, r.drafts,
+                       r.retracted_prefix, r.anchor_landed, r.all_landed, r.whole_8);
       }
     }
   std::printf(
@@ -404,12 +447,14 @@ int main(int argc, char** argv) {
     if (std::ftell(csv) == 0)
       std::fprintf(
           csv,
-          "model,batch,tokens,gbps,n,bf16_s,blocking8_s,blocking4_s,lynx_all_s,lynx_prefix_s,"
+          "cost,model,batch,tokens,gbps,n,bf16_s,blocking8_s,blocking4_s,lynx_all_s,lynx_prefix_s,"
           "lynx_none_s,first_provisional_s,drafts,retracted_prefix,anchor_landed_s,"
           "all_landed_s,blocking8_landed_s\n");
   }
-  print_tables("gpu", all, true, csv, prefix);
-  if (measured.size() >= 5 * 2) print_tables("cpu", all, false, csv, prefix);
+  for (const model_case* m : {&llama, &gemma}) {
+    print_tables(*m, "gpu", all, csv, prefix);
+    if (measured.size() >= 5 * 2) print_tables(*m, "cpu", all, csv, prefix);
+  }
   if (csv) std::fclose(csv);
   return 0;
 }

@@ -12,6 +12,7 @@
 #include "toy_engine.hpp"
 
 using lynx_test::faithful_engine;
+using lynx_test::greedy_at;
 using lynx_test::toy_engine;
 
 namespace {
@@ -46,19 +47,6 @@ std::vector<lynx::step_result> drive(Engine& e, const std::vector<int>& level_at
   return steps;
 }
 
-std::vector<std::int32_t> greedy_at(int levels, std::int32_t first, int n) {
-  toy_engine e;
-  e.levels = levels;
-  std::vector<std::int32_t> out{first};
-  std::vector<float> row(toy_engine::vocab);
-  while (static_cast<int>(out.size()) < n) {
-    const std::int32_t t = out.back();
-    e.forward({&t, 1}, 0, levels, row);
-    out.push_back(lynx::argmax_token(row));
-  }
-  return out;
-}
-
 }  // namespace
 
 TEST_CASE("draft in flight: the drafts cover the transfer, up to the in-flight limit") {
@@ -81,7 +69,7 @@ TEST_CASE("draft in flight: the drafts cover the transfer, up to the in-flight l
     } else {
       CHECK(steps[static_cast<std::size_t>(land)].kind == lynx::step_kind::decode);
     }
-    CHECK(got == greedy_at(2, 0, 40));
+    CHECK(got == greedy_at(2, 2, 0, 40));
   }
 }
 
@@ -136,7 +124,7 @@ TEST_CASE("draft in flight: greedy exactness for every landing time, plan and po
               if (levels == 3) level_at.push_back(land + gap);
               std::vector<std::int32_t> got;
               drive(e, level_at, options(max_draft, in_flight, 40, policy), 5, &got);
-              CHECK(got == greedy_at(levels, 5, 40));
+              CHECK(got == greedy_at(levels, levels, 5, 40));
               CHECK(e.tail_size() == 39);
               for (const int l : e.tail_level) CHECK(l == levels);
             }

@@ -11,25 +11,12 @@
 #include "lynx/speculation/session.hpp"
 #include "toy_engine.hpp"
 
+using lynx_test::greedy_at;
 using lynx_test::toy_engine;
 
 namespace {
 
 constexpr int tokens = 40;
-
-// Plain greedy decoding at `level` (the toy's logits depend on the last token only).
-std::vector<std::int32_t> greedy_at(int levels, int level, std::int32_t first, int n) {
-  toy_engine e;
-  e.levels = levels;
-  std::vector<std::int32_t> out{first};
-  std::vector<float> row(toy_engine::vocab);
-  while (static_cast<int>(out.size()) < n) {
-    const std::int32_t t = out.back();
-    e.forward({&t, 1}, 0, level, row);
-    out.push_back(lynx::argmax_token(row));
-  }
-  return out;
-}
 
 }  // namespace
 

@@ -19,6 +19,7 @@
 using lynx::token_event;
 using lynx::token_event_kind;
 using lynx_test::faithful_engine;
+using lynx_test::greedy_at;
 using lynx_test::toy_engine;
 
 namespace {
@@ -127,20 +128,6 @@ std::vector<std::int32_t> drive(Engine& e, const plan& p, lynx::session_options 
     CHECK(r.verified[i] == (static_cast<std::int64_t>(i) < s.verified_tokens()));
   if (stats) *stats = s.stats();
   return s.committed();
-}
-
-// Plain greedy decoding at `level` of `levels` (the toy's logits depend on the last token only).
-std::vector<std::int32_t> greedy_at(int levels, int level, std::int32_t first, int n) {
-  toy_engine e;
-  e.levels = levels;
-  std::vector<std::int32_t> out{first};
-  std::vector<float> row(toy_engine::vocab);
-  while (static_cast<int>(out.size()) < n) {
-    const std::int32_t t = out.back();
-    e.forward({&t, 1}, 0, level, row);
-    out.push_back(lynx::argmax_token(row));
-  }
-  return out;
 }
 
 // An event as a compact tuple for exact comparisons: kind, token, position, count, verified.

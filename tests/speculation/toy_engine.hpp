@@ -10,6 +10,8 @@
 #include <stdexcept>
 #include <vector>
 
+#include "lynx/speculation/verifier.hpp"  // argmax_token
+
 namespace lynx_test {
 
 struct toy_engine {
@@ -56,5 +58,20 @@ struct faithful_engine : toy_engine {
     toy_engine::forward(tokens, position, levels, logits);
   }
 };
+
+/// Plain greedy decoding at `level` of `levels` from `first`, n tokens in all (the
+/// toy's logits depend on the last token only): what a session must commit.
+inline std::vector<std::int32_t> greedy_at(int levels, int level, std::int32_t first, int n) {
+  toy_engine e;
+  e.levels = levels;
+  std::vector<std::int32_t> out{first};
+  std::vector<float> row(toy_engine::vocab);
+  while (static_cast<int>(out.size()) < n) {
+    const std::int32_t t = out.back();
+    e.forward({&t, 1}, 0, level, row);
+    out.push_back(lynx::argmax_token(row));
+  }
+  return out;
+}
 
 }  // namespace lynx_test

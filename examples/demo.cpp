@@ -8,7 +8,8 @@
 //
 //   demo [--model stories260K.bin --tokenizer tok512.bin | --model FILE.gguf | --model @gemma3]
 //        [--plan 8=4+4|8=2+2+4|16=4+12|16=4+4+8] [--gbps 0.01] [--latency-us 50] [--lanes 1|2]
-//        [--prompt-tokens 300] [--tokens 64] [--max-draft 8] [--seed 1] [--temperature 0]
+//        [--prompt-tokens 300] [--tokens 64] [--max-draft 8] [--max-draft-in-flight 0]
+//        [--seed 1] [--temperature 0]
 //        [--prompt TEXT | --prompt-file FILE] [--if-missing fail|skip]
 // With no --model it runs on a small deterministic built-in model, with a
 // prompt sampled from it (--seed). A GGUF model (by its .gguf extension or its
@@ -71,7 +72,7 @@ struct arguments {
                "demo: %s\nusage: demo [--model FILE --tokenizer FILE | --model FILE.gguf | --model "
                "@gemma3] [--plan 8=4+4|8=2+2+4|16=4+12|16=4+4+8]\n"
                "            [--gbps X] [--latency-us X] [--lanes 1|2] [--prompt-tokens N] "
-               "[--tokens N] [--max-draft N] [--seed N]\n"
+               "[--tokens N] [--max-draft N] [--max-draft-in-flight N] [--seed N]\n"
                "            [--temperature T] [--prompt TEXT | --prompt-file FILE] [--if-missing "
                "fail|skip]\n",
                why.c_str());
@@ -101,6 +102,8 @@ arguments parse(int argc, char** argv) {
           a.request.committed_tokens = std::stoi(value);
         else if (key == "--max-draft")
           a.request.max_draft = std::stoi(value);
+        else if (key == "--max-draft-in-flight")
+          a.request.max_draft_in_flight = std::stoi(value);
         else if (key == "--seed")
           a.seed = std::stoull(value);
         else if (key == "--temperature")
@@ -120,6 +123,7 @@ arguments parse(int argc, char** argv) {
   if (a.request.link.lanes != 1 && a.request.link.lanes != 2) usage("--lanes must be 1 or 2");
   if (a.request.committed_tokens < 2) usage("--tokens must be at least 2");
   if (a.request.max_draft < 0) usage("--max-draft must be >= 0");
+  if (a.request.max_draft_in_flight < 0) usage("--max-draft-in-flight must be >= 0");
   if (!(a.temperature >= 0)) usage("--temperature must be >= 0");
   if (a.if_missing != "fail" && a.if_missing != "skip") usage("--if-missing must be fail or skip");
   if (!a.prompt_text.empty() && !a.prompt_file.empty())
@@ -178,7 +182,7 @@ int run_demo(const Weights& w, const arguments& args, std::vector<int> prompt,
                    sixteen ? 4 : 3, steps);
       replay = dg::replay_session<Plan>(w, pre.node, pre.first_token, args.request.committed_tokens,
                                         args.request.max_draft, args.request.verifier,
-                                        runs[0].step_levels);
+                                        runs[0].step_levels, args.request.max_draft_in_flight);
     }
   });
   int step = steps - 2;
@@ -296,7 +300,8 @@ int main(int argc, char** argv) try {
         model.c_str(), c.dim, c.n_layers, global, c.window, c.n_heads, c.n_kv_heads, c.head_dim,
         c.vocab_size);
     std::printf(
-        "link: %.4g Gbit/s, %.0f us latency, %d lane(s) sharing that one rate (every row: the same link), residual window %zu KiB; %d-token prompt "
+        "link: %.4g Gbit/s, %.0f us latency, %d lane(s) sharing that one rate (every row: the same "
+        "link), residual window %zu KiB; %d-token prompt "
         "(%s%s); %d committed tokens; max %d drafts\n",
         args.request.link.gbit_per_s, args.request.link.latency_us, args.request.link.lanes,
         args.request.link.residual_window >> 10, prompt_tokens,
@@ -332,7 +337,8 @@ int main(int argc, char** argv) try {
               model.empty() ? "built-in model" : model.c_str(), c.dim, c.n_layers, c.n_heads,
               c.n_kv_heads, c.head_size(), c.vocab_size);
   std::printf(
-      "link: %.4g Gbit/s, %.0f us latency, %d lane(s) sharing that one rate (every row: the same link), residual window %zu KiB; %d-token prompt "
+      "link: %.4g Gbit/s, %.0f us latency, %d lane(s) sharing that one rate (every row: the same "
+      "link), residual window %zu KiB; %d-token prompt "
       "sampled from the model "
       "(seed %llu); %d committed tokens; max %d drafts\n",
       args.request.link.gbit_per_s, args.request.link.latency_us, args.request.link.lanes,

@@ -73,7 +73,8 @@ static_assert(lynx::verifier_policy<request_verifier>);
 struct link_config {
   double gbit_per_s = 0.01;  // link bandwidth
   double latency_us = 50;    // one way
-  int lanes = 1;  // 1: one link, strict priority; 2: a lane per stream kind, both sharing gbit_per_s
+  int lanes =
+      1;  // 1: one link, strict priority; 2: a lane per stream kind, both sharing gbit_per_s
   std::size_t residual_window = 256 << 10;  // residual bytes in flight at once
 };
 
@@ -81,6 +82,8 @@ struct request_config {
   link_config link;
   int committed_tokens = 64;  // tokens after the prompt, the prefill's own included
   int max_draft = 8;
+  int max_draft_in_flight = 0;  // draft on while the residual is in flight, up to this many
+                                // (lynx::session_options::max_draft_in_flight; 0: max_draft)
   int encode_threads = 1;
   request_verifier verifier{};  // greedy unless a temperature is set
 };
@@ -199,6 +202,7 @@ timeline run_request(const Weights& w, const prefill_result<Weights>& pre,
   typename F::template decode_engine<Plan> engine(w, tensors, prompt_tokens);
   lynx::session_options options;
   options.max_draft = cfg.max_draft;
+  options.max_draft_in_flight = cfg.max_draft_in_flight;
   options.max_new_tokens = cfg.committed_tokens;
   lynx::progressive_session session(engine, cfg.verifier, streams_sent, prompt_tokens,
                                     pre.first_token, options);
@@ -269,13 +273,14 @@ timeline run_request(const Weights& w, const prefill_result<Weights>& pre,
 template <lynx::stream_plan_type Plan, class Weights>
 std::vector<int> replay_session(const Weights& w, const prefill_engine_of<Weights>& node,
                                 int first_token, int count, int max_draft,
-                                const request_verifier& verifier,
-                                std::span<const int> step_levels) {
+                                const request_verifier& verifier, std::span<const int> step_levels,
+                                int max_draft_in_flight = 0) {
   const int prompt_tokens = node.cache().prompt_length();
   const auto tensors = received_locally<Plan>(w, node);
   typename family<Weights>::template decode_engine<Plan> engine(w, tensors, prompt_tokens);
   lynx::session_options options;
   options.max_draft = max_draft;
+  options.max_draft_in_flight = max_draft_in_flight;
   options.max_new_tokens = count;
   lynx::progressive_session session(engine, verifier, Plan::streams, prompt_tokens, first_token,
                                     options);

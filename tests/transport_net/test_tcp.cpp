@@ -3,15 +3,20 @@
 // for bit); a sender killed mid-residual and a receiver killed mid-request
 // (peer_failure on the other side within its deadline); a relay that flips,
 // truncates, duplicates and reorders segments; a stale generation; framing
-// errors (absurd length, damaged frame) refused without allocation; deadlines.
+// errors (absurd length, damaged frame) refused without allocation; deadlines;
+// anchor-first writes (no residual byte written while anchor bytes are unsent).
 // Every wait has a deadline and every child an alarm().
 #include <doctest/doctest.h>
 
+#include <sys/ioctl.h>
+
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <map>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include <lynx/transport/tcp.hpp>
@@ -32,9 +37,10 @@ constexpr std::uint32_t seed = 11;
 
 clock_type::time_point in(clock_type::duration d) { return clock_type::now() + d; }
 
-std::vector<lynx::host_bitplane_tensor<plan>> make_tensors(int layers, std::uint64_t generation) {
+std::vector<lynx::host_bitplane_tensor<plan>> make_tensors(int layers, std::uint64_t generation,
+                                                           lynx::kv_shape of = shape) {
   std::vector<lynx::host_bitplane_tensor<plan>> t;
-  for (int l = 0; l < layers; ++l) t.emplace_back(shape, static_cast<std::uint32_t>(l), generation);
+  for (int l = 0; l < layers; ++l) t.emplace_back(of, static_cast<std::uint32_t>(l), generation);
   return t;
 }
 
@@ -285,10 +291,12 @@ TEST_CASE(
   CHECK(scheduler.outstanding() == 0);
   int delivered = 0, failed = 0;
   for (const auto& r : scheduler.records()) {
-    if (!r.posted) continue;
-    CHECK(r.released);  // every posted buffer got its final event
+    if (r.posted) CHECK(r.released);  // every posted buffer got its final event
     delivered += r.delivered;
-    failed += r.status == lynx::errc::peer_failure;
+    // A posted send whose ack did not come, or the post refused once the link was gone. (A send
+    // whose ack came back before the receiver died counts as delivered even when the other
+    // lane's end was read first.)
+    failed += !r.delivered && r.status == lynx::errc::peer_failure;
   }
   CHECK(delivered >= 1);  // acks that came back before the receiver died count
   CHECK(delivered < 2 * layers);
@@ -471,4 +479,279 @@ TEST_CASE(
   CHECK_FALSE(sender.next_event(in(2s)).has_value());
   CHECK(sender.status() == lynx::errc::peer_failure);
   CHECK(sender.post({bytes, {}, lynx::anchor_lane, 0}).status == lynx::errc::peer_failure);
+}
+
+namespace {
+
+constexpr lynx::kv_shape small_shape{128, 2, 64};  // a 128-token request: segments of ~16 KB
+
+// A pipe the parent writes one byte into to let a forked child go on.
+struct gate {
+  int fds[2] = {-1, -1};
+  gate() { REQUIRE(::pipe(fds) == 0); }
+  ~gate() {
+    for (const int fd : fds) ::close(fd);
+  }
+  void open() const { REQUIRE(::write(fds[1], "g", 1) == 1); }
+  [[nodiscard]] bool wait() const {
+    char c = 0;
+    return ::read(fds[0], &c, 1) == 1;
+  }
+};
+
+// Drives `sender` until every posted ticket's buffer is reusable (the bytes are
+// in the kernel); collects the events. No ack can come: the peer is gated.
+std::vector<lynx::send_event<clock_type>> until_all_written(lynx::tcp_sender& sender, int tickets) {
+  std::vector<lynx::send_event<clock_type>> events;
+  int reusable = 0;
+  const auto deadline = in(20s);
+  while (reusable < tickets) {
+    const auto e = sender.next_event(deadline);
+    REQUIRE(e.has_value());
+    REQUIRE(e->status == lynx::errc::ok);
+    reusable += e->kind == lynx::completion_kind::buffer_reusable;
+    events.push_back(*e);
+  }
+  return events;
+}
+
+}  // namespace
+
+TEST_CASE(
+    "tcp: a receiver that closes right after acking its last segment leaves every send delivered, "
+    "on both lanes (no spurious peer_failure)") {
+  ::alarm(120);
+  constexpr int layers = 3;
+  lynx::tcp_options options;
+  options.socket_buffer_bytes = 512 << 10;  // every segment fits in the kernel before it is read
+  SUBCASE("every ack and both ends of stream wait in the sender's sockets before it reads one") {
+    lynx::tcp_listener listener;
+    const std::uint16_t port = listener.port();
+    const gate go;
+    // The receiver takes every segment only once the sender has written them all, acks each
+    // as it hands it out, and exits: both lanes end right behind their last ack.
+    lynx::test::child_process receiver([port, &go, options] {
+      auto r = lynx::tcp_receiver::connect("127.0.0.1", port, in(10s), options);
+      if (!go.wait()) return 1;
+      for (int i = 0; i < 2 * layers; ++i) {
+        const auto got = r.try_receive(in(20s));
+        if (!got.ok()) return 2;
+        r.release(got.segment);
+      }
+      return 0;
+    });
+    auto sender = lynx::tcp_sender::accept(listener, in(10s), options);
+    std::vector<lynx::encoded_layer<plan>> encoded;
+    std::map<lynx::send_ticket, int> stream_of;
+    for (int l = 0; l < layers; ++l) {
+      encoded.push_back(
+          lynx::test::encode_layer<plan>(small_shape, static_cast<std::uint32_t>(l), seed, 0));
+      for (int s = 0; s < plan::streams; ++s) {
+        const auto p = sender.post({encoded.back().segment(s),
+                                    {static_cast<std::uint32_t>(l), s, 0},
+                                    lynx::lane_for_stream(s, 2),
+                                    static_cast<lynx::send_priority>(s)});
+        REQUIRE(p.ok());
+        stream_of[p.ticket] = s;
+      }
+    }
+    auto events = until_all_written(sender, 2 * layers);
+    go.open();
+    REQUIRE(receiver.wait(in(20s)) == 0);  // every segment handed out and acked; sockets closed
+    // Now the sender reads: lane 0's acks and its end of stream, lane 1's acks and its end.
+    while (const auto e = sender.next_event(in(10s))) events.push_back(*e);
+    std::map<lynx::send_ticket, lynx::errc> final_status;
+    for (const auto& e : events)
+      if (e.is_final()) CHECK(final_status.emplace(e.ticket, e.status).second);
+    REQUIRE(final_status.size() == stream_of.size());
+    for (const auto& [ticket, status] : final_status) {
+      CAPTURE(stream_of[ticket]);
+      CHECK(status == lynx::errc::ok);  // acked by the receiver before it closed
+    }
+    CHECK(sender.outstanding() == 0);
+    // The link itself is gone: nothing more can be sent.
+    CHECK(sender.status() == lynx::errc::peer_failure);
+    CHECK(sender.post({encoded[0].segment(0), {0, 0, 0}, lynx::anchor_lane, 0}).status ==
+          lynx::errc::peer_failure);
+  }
+  SUBCASE("20 requests of 128 tokens through the scheduler, each receiver exiting at once") {
+    int failures = 0;
+    for (int request = 0; request < 20; ++request) {
+      CAPTURE(request);
+      lynx::tcp_listener listener;
+      const std::uint16_t port = listener.port();
+      lynx::test::child_process receiver([port, options] {
+        auto r = lynx::tcp_receiver::connect("127.0.0.1", port, in(10s), options);
+        for (int i = 0; i < 2 * layers; ++i) {
+          const auto got = r.try_receive(in(20s));
+          if (!got.ok()) return 2;
+          r.release(got.segment);
+        }
+        return 0;
+      });
+      auto sender = lynx::tcp_sender::accept(listener, in(10s), options);
+      const int rc = lynx::test::send_request<plan>(sender, small_shape, layers, seed,
+                                                    static_cast<std::uint64_t>(request),
+                                                    /*window=*/std::size_t{1} << 20);
+      CHECK(rc == 0);  // the sender saw every segment delivered
+      failures += rc != 0;
+      CHECK(receiver.wait(in(20s)) == 0);
+    }
+    CHECK(failures == 0);
+  }
+}
+
+TEST_CASE(
+    "tcp: a sender that closes once every byte is written loses nothing: the receiver hands out "
+    "every segment of both lanes, then peer_failure") {
+  ::alarm(60);
+  constexpr int layers = 3;
+  lynx::tcp_options options;
+  options.socket_buffer_bytes = 512 << 10;
+  lynx::tcp_listener listener;
+  const std::uint16_t port = listener.port();
+  const gate go;
+  lynx::test::child_process sender_process([port, &go, options] {
+    auto s = lynx::tcp_sender::connect("127.0.0.1", port, in(10s), options);
+    std::vector<lynx::encoded_layer<plan>> encoded;
+    for (int l = 0; l < layers; ++l) {
+      encoded.push_back(
+          lynx::test::encode_layer<plan>(small_shape, static_cast<std::uint32_t>(l), seed, 0));
+      for (int st = 0; st < plan::streams; ++st)
+        if (!s.post({encoded.back().segment(st),
+                     {static_cast<std::uint32_t>(l), st, 0},
+                     lynx::lane_for_stream(st, 2),
+                     static_cast<lynx::send_priority>(st)})
+                 .ok())
+          return 1;
+    }
+    for (int reusable = 0; reusable < 2 * layers;) {
+      const auto e = s.next_event(in(20s));
+      if (!e || e->status != lynx::errc::ok) return 2;
+      reusable += e->kind == lynx::completion_kind::buffer_reusable;
+    }
+    s.close();  // every byte is in the kernel; the receiver has read none of them yet
+    go.open();
+    return 0;
+  });
+  auto receiver = lynx::tcp_receiver::accept(listener, in(10s), options);
+  REQUIRE(go.wait());
+  REQUIRE(sender_process.wait(in(20s)) == 0);
+  auto tensors = make_tensors(layers, 0, small_shape);
+  int anchors = 0, residuals = 0;
+  lynx::errc status = lynx::errc::ok;
+  while (status == lynx::errc::ok) {
+    const auto r = receiver.try_receive(in(10s));
+    status = r.status;
+    if (!r.ok()) break;
+    const auto a = lynx::test::deliver(tensors, r.segment.bytes, r.segment.lane);
+    CHECK(a.accepted == lynx::errc::ok);
+    (a.id.stream == 0 ? anchors : residuals) += 1;
+    receiver.release(r.segment);
+  }
+  CHECK(anchors == layers);
+  CHECK(residuals == layers);  // lane 1's bytes, behind lane 0's end of stream, were read too
+  CHECK(status == lynx::errc::peer_failure);
+  for (const auto& t : tensors) CHECK(t.complete());
+}
+
+namespace {
+
+// Reads what `fd` has now (non-blocking) onto the end of `into`.
+void read_available(int fd, std::vector<std::byte>& into) {
+  std::byte chunk[1 << 16];
+  while (true) {
+    const ssize_t n = ::recv(fd, chunk, sizeof chunk, MSG_DONTWAIT);
+    if (n <= 0) return;
+    into.insert(into.end(), chunk, chunk + n);
+  }
+}
+
+int readable_bytes(int fd) {
+  int n = -1;
+  REQUIRE(::ioctl(fd, FIONREAD, &n) == 0);
+  return n;
+}
+
+}  // namespace
+
+TEST_CASE(
+    "tcp: with anchor_first_writes no residual byte is written while anchor bytes wait unsent in "
+    "the kernel; the residual socket's unsent bytes are capped") {
+  ::alarm(60);
+  for (const bool priority : {true, false}) {
+    CAPTURE(priority);
+    lynx::tcp_listener listener;
+    // Accepted sockets inherit this: the receiving side's window is a few KiB,
+    // so the anchor's bytes stay unsent in the sender's kernel until the test reads them.
+    const int small = 4096;
+    REQUIRE(::setsockopt(listener.fd(), SOL_SOCKET, SO_RCVBUF, &small, sizeof small) == 0);
+    lynx::tcp_options options;
+    options.anchor_first_writes = priority;
+    options.socket_buffer_bytes = 1 << 20;  // the sender's kernel takes the whole anchor at once
+    auto lanes = lynx::tcp_connect_lanes("127.0.0.1", listener.port(), 2, in(5s), options);
+    const int residual_fd = lanes[1].fd();
+    lynx::tcp_sender sender(std::move(lanes), options);
+    auto raw = lynx::tcp_accept_lanes(listener, 2, in(5s));  // read by the test itself
+#if defined(TCP_NOTSENT_LOWAT)
+    int lowat = -1;
+    socklen_t len = sizeof lowat;
+    REQUIRE(::getsockopt(residual_fd, IPPROTO_TCP, TCP_NOTSENT_LOWAT, &lowat, &len) == 0);
+    CHECK(lowat == (priority ? options.residual_unsent_bytes : 0));
+#else
+    (void)residual_fd;
+#endif
+    std::vector<std::byte> anchor(256 << 10), residual(4096);
+    for (std::size_t i = 0; i < anchor.size(); ++i) anchor[i] = static_cast<std::byte>(i * 7);
+    for (std::size_t i = 0; i < residual.size(); ++i) residual[i] = static_cast<std::byte>(i * 5);
+    const auto a = sender.post({anchor, {0, 0, 0}, lynx::anchor_lane, 0});
+    const auto r = sender.post({residual, {0, 1, 0}, lynx::residual_lane, 1});
+    REQUIRE(a.ok());
+    REQUIRE(r.ok());
+    // Drive the sender until both buffers are in the kernel, or for 200 ms.
+    std::map<lynx::send_ticket, std::vector<lynx::completion_kind>> seen;
+    const auto drive = [&](clock_type::time_point until) {
+      while (const auto e = sender.next_event(until)) {
+        REQUIRE(e->status == lynx::errc::ok);
+        seen[e->ticket].push_back(e->kind);
+      }
+    };
+    drive(in(200ms));
+    CHECK(seen[a.ticket] == std::vector{lynx::completion_kind::buffer_reusable});
+    if (priority) {
+      // Most of the anchor is still unsent (the peer reads nothing): the residual waits.
+      CHECK(seen[r.ticket].empty());
+      CHECK(readable_bytes(raw[1].fd()) == 0);
+    } else {
+      CHECK(seen[r.ticket] == std::vector{lynx::completion_kind::buffer_reusable});
+    }
+    // The receiving side reads the whole anchor frame, then the residual frame.
+    std::vector<std::byte> lane0, lane1;
+    const std::size_t head = sizeof(lynx::tcp_wire::frame);
+    const auto deadline = in(20s);
+    while (lane0.size() < head + anchor.size() && clock_type::now() < deadline) {
+      read_available(raw[0].fd(), lane0);
+      drive(in(1ms));
+    }
+    while (lane1.size() < head + residual.size() && clock_type::now() < deadline) {
+      read_available(raw[1].fd(), lane1);
+      drive(in(1ms));
+    }
+    REQUIRE(lane0.size() == head + anchor.size());
+    REQUIRE(lane1.size() == head + residual.size());
+    CHECK(std::equal(anchor.begin(), anchor.end(), lane0.begin() + head));
+    CHECK(std::equal(residual.begin(), residual.end(), lane1.begin() + head));
+    // Acks for both: each send ends delivered.
+    for (const auto& [fd, ticket] : {std::pair{raw[0].fd(), a.ticket}, {raw[1].fd(), r.ticket}}) {
+      lynx::tcp_wire::ack ack;
+      ack.ticket = ticket;
+      lynx::detail::write_all(fd, &ack, sizeof ack, in(5s), "ack");
+    }
+    while (sender.outstanding() != 0 && clock_type::now() < deadline) drive(in(5ms));
+    const std::vector both{lynx::completion_kind::buffer_reusable,
+                           lynx::completion_kind::delivered};
+    CHECK(seen[a.ticket] == both);
+    CHECK(seen[r.ticket] == both);
+    CHECK(sender.status() == lynx::errc::ok);
+  }
 }

@@ -3,8 +3,9 @@
 // receiver tensors (merge == quantize, bit for bit), a stale generation and a
 // corrupted segment rejected by the tensors, a sender killed mid-residual and a
 // receiver killed mid-request (peer_failure within the deadline on the other
-// side). Built only with UCX (target lynx::ucx defines LYNX_WITH_UCX); without
-// it, or when UCX cannot start here, the test says SKIPPED and why.
+// side), residual sends held back until the anchors are delivered. Built only with UCX (target
+// lynx::ucx defines LYNX_WITH_UCX); without it, or when UCX cannot start here, the test says
+// SKIPPED and why.
 #include <doctest/doctest.h>
 
 #include <cstdio>
@@ -18,6 +19,7 @@
 #include <chrono>
 #include <memory>
 #include <optional>
+#include <thread>
 #include <vector>
 
 #include <lynx/transport/ucx.hpp>
@@ -250,6 +252,58 @@ TEST_CASE(
   }
   CHECK(delivered >= 1);
   CHECK(delivered < 2 * layers);
+}
+
+TEST_CASE(
+    "ucx, two processes: a residual send is handed to UCX only once every anchor posted before it "
+    "was delivered (anchor_first_posts)") {
+  ::alarm(120);
+  use_loopback_tcp();
+  constexpr int layers = 8;
+  constexpr lynx::kv_shape small{32, 1, 64};  // segments of a few KB: sent eagerly
+  port_pipe pipe;
+  lynx::test::child_process sender([&] {
+    const auto port = pipe.get(in(20s));
+    if (!port) return 3;
+    lynx::ucx_sender s("127.0.0.1", *port, in(10s));
+    // A window of every residual: the scheduler posts them all right behind the anchors.
+    const std::size_t window =
+        layers * lynx::segment_bytes(lynx::make_geometry<plan, 32>(small), 1);
+    return lynx::test::send_request<plan>(s, small, layers, seed, 1, window);
+  });
+  std::string why;
+  auto receiver = listen_or_skip(why);
+  if (!receiver) {
+    std::printf("SKIPPED: UCX cannot listen on loopback here: %s\n", why.c_str());
+    return;
+  }
+  pipe.put(receiver->port());
+  receiver->accept(in(10s));
+  // The last anchor's ack leaves inside the try_receive that hands it out; a
+  // residual can only be sent after the sender read it, and it arrives in a
+  // later call: after `last_anchor_out`.
+  clock_type::time_point last_anchor_out{};
+  std::vector<clock_type::time_point> residual_arrivals;
+  int anchors = 0;
+  for (int i = 0; i < 2 * layers; ++i) {
+    const auto r = receiver->try_receive(in(20s));
+    REQUIRE(r.status == lynx::errc::ok);
+    const auto h = lynx::peek_header(r.segment.bytes);
+    if (h.stream == 0) {
+      CHECK(residual_arrivals.empty());
+      if (++anchors == layers) last_anchor_out = clock_type::now();
+      // Whatever the sender has sent by now arrives in the next call's progress.
+      if (anchors == 1) std::this_thread::sleep_for(200ms);
+    } else {
+      residual_arrivals.push_back(r.segment.arrival);
+    }
+    receiver->release(r.segment);
+  }
+  REQUIRE(anchors == layers);
+  REQUIRE(residual_arrivals.size() == static_cast<std::size_t>(layers));
+  for (const auto at : residual_arrivals) CHECK(at > last_anchor_out);
+  CHECK(receiver->flush_acks(in(10s)) == lynx::errc::ok);
+  CHECK(sender.wait(in(20s)) == 0);  // every send delivered, reusable first
 }
 
 #else

@@ -1,8 +1,11 @@
 // The TCP transport: the zero-dependency path between a prefill and a decode
 // process (POSIX sockets only). One TCP connection per lane (lane 0 anchors,
 // lane 1 residuals), so an anchor never queues behind residual bytes in one
-// socket buffer; the scheduler's residual window bounds what the residual
-// connection holds.
+// socket buffer. Both connections usually cross one bottleneck, so the sender
+// writes residual bytes only once no anchor byte is left unsent in its kernel
+// (tcp_options::anchor_first_writes) and keeps few residual bytes unsent there
+// (tcp_options::residual_unsent_bytes); the receiver reads residual bytes only
+// while no anchor waits to be handed out.
 //
 // Wire format, per connection (little-endian, as the segment header):
 //   connector -> acceptor, once:   hello  {magic "LXTH", version, lane, lanes, session}  16 bytes
@@ -22,6 +25,14 @@
 // A peer that dies (EOF, ECONNRESET, EPIPE; writes use MSG_NOSIGNAL) is
 // errc::peer_failure on both sides. Deadlines are poll() timeouts; nothing here
 // starts a thread.
+//
+// The end of a link is judged lane by lane: TCP orders bytes within one
+// connection only, so lane 0's end of stream says nothing of lane 1's acks or
+// segments still queued behind it (a receiver that acks its last residual and
+// exits ends lane 0 first, with lane 1's acks unread). The sender fails a send
+// only when the lane that carries its ack has ended before the ack (every ack
+// sent before that end has been read by then); the receiver reads every lane to
+// its end and hands out every complete segment before it reports the failure.
 #pragma once
 
 #include <arpa/inet.h>
@@ -30,9 +41,14 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
+#include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <unistd.h>
+
+#if defined(__linux__)
+#include <linux/sockios.h>  // SIOCOUTQNSD
+#endif
 
 #include <algorithm>
 #include <cerrno>
@@ -44,7 +60,6 @@
 #include <map>
 #include <optional>
 #include <random>
-#include <set>
 #include <span>
 #include <string>
 #include <thread>
@@ -66,13 +81,22 @@ struct tcp_options {
   bool no_delay = true;
   /// SO_SNDBUF / SO_RCVBUF in bytes; 0 keeps the system's (auto-tuned) sizes.
   int socket_buffer_bytes = 0;
-  /// Sender: write residual-lane bytes only while the anchor lane has nothing
-  /// queued in the transport. Both connections usually cross one bottleneck,
-  /// where TCP shares bandwidth fairly between them; without this rule a
-  /// residual segment in flight takes half the link from the anchors. With it,
-  /// the residual competes only with the anchor bytes already in the anchor
-  /// socket's kernel buffer (at most its send buffer, a few MiB).
+  /// Sender: write residual-lane bytes only once every anchor byte posted so
+  /// far has left this host's TCP send queue: the anchor lane has nothing
+  /// queued in the transport and nothing unsent in its kernel send buffer
+  /// (ioctl SIOCOUTQNSD on Linux). Both connections usually cross one
+  /// bottleneck, where TCP shares bandwidth fairly between them; without this
+  /// rule a residual segment in flight takes half the link from the anchors,
+  /// and a residual written while the anchor socket still holds a send buffer
+  /// of unsent anchor bytes (auto-tuned up to 4 MiB) shares the link with them.
   bool anchor_first_writes = true;
+  /// Sender, with anchor_first_writes and two lanes: the residual socket's
+  /// TCP_NOTSENT_LOWAT, so the kernel holds at most about this many residual
+  /// bytes not yet sent (the rest waits in the transport's queue, where an
+  /// anchor posted later overtakes it). An anchor posted while a residual is
+  /// being written then competes with this much residual plus what the
+  /// network already carries. 0 keeps the system's setting (no cap).
+  int residual_unsent_bytes = 128 << 10;
 };
 
 /// The fixed frames of the TCP wire format (see the top of this header).
@@ -238,6 +262,30 @@ inline void configure_socket(int fd, const tcp_options& o) {
     ::setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &o.socket_buffer_bytes, sizeof o.socket_buffer_bytes);
     ::setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &o.socket_buffer_bytes, sizeof o.socket_buffer_bytes);
   }
+}
+
+/// TCP_NOTSENT_LOWAT: poll() reports the socket writable, and a write takes
+/// more bytes, only while fewer than `bytes` written bytes are unsent (0: the
+/// system's setting). Linux only; elsewhere nothing.
+inline void set_notsent_lowat(int fd, int bytes) noexcept {
+#if defined(TCP_NOTSENT_LOWAT)
+  ::setsockopt(fd, IPPROTO_TCP, TCP_NOTSENT_LOWAT, &bytes, sizeof bytes);
+#else
+  (void)fd;
+  (void)bytes;
+#endif
+}
+
+/// Bytes written to the socket that TCP has not sent yet (Linux: SIOCOUTQNSD);
+/// 0 where the system cannot tell.
+inline std::size_t unsent_bytes(int fd) noexcept {
+#if defined(SIOCOUTQNSD)
+  int n = 0;
+  if (::ioctl(fd, SIOCOUTQNSD, &n) == 0 && n > 0) return static_cast<std::size_t>(n);
+#else
+  (void)fd;
+#endif
+  return 0;
 }
 
 inline sockaddr_in resolve_ipv4(const std::string& host, std::uint16_t port) {
@@ -413,6 +461,8 @@ class tcp_sender {
       l.socket = std::move(s);
       lanes_.push_back(std::move(l));
     }
+    if (lanes_.size() == 2 && options_.anchor_first_writes && options_.residual_unsent_bytes > 0)
+      detail::set_notsent_lowat(lanes_[1].socket.fd(), options_.residual_unsent_bytes);
   }
   /// Connects `lanes` connections to a tcp_receiver's listener.
   static tcp_sender connect(const std::string& host, std::uint16_t port, time_point deadline,
@@ -442,14 +492,15 @@ class tcp_sender {
     o.frame.bytes = request.bytes.size();
     o.bytes = request.bytes;
     lanes_[request.lane].queue.push_back(o);
-    undelivered_.insert(ticket);
+    undelivered_.emplace(ticket, request.lane);
     progress(0);
     return {errc::ok, ticket};
   }
 
   /// The next completion event, driving the sockets until one comes or the
   /// deadline passes. After a failure every unfinished ticket gets one final
-  /// event with the failure's status; then nothing more ever comes.
+  /// event: delivered when its ack was already on its way (read before its
+  /// lane ended), else the failure's status; then nothing more ever comes.
   std::optional<send_event<clock>> next_event(time_point deadline) {
     while (true) {
       if (!events_.empty()) {
@@ -457,7 +508,7 @@ class tcp_sender {
         events_.pop_front();
         return e;
       }
-      if (broken_ != errc::ok) return std::nullopt;
+      if (broken_ != errc::ok && undelivered_.empty()) return std::nullopt;
       const int timeout = detail::poll_timeout_ms(deadline);
       progress(timeout);
       if (events_.empty() && clock::now() >= deadline) return std::nullopt;
@@ -473,7 +524,7 @@ class tcp_sender {
 
   /// Closes every lane (the receiver sees EOF); unfinished tickets fail with peer_failure.
   void close() {
-    if (broken_ == errc::ok) fail(errc::peer_failure, "tcp_sender: closed by the application");
+    fail(errc::peer_failure, "tcp_sender: closed by the application");
     for (auto& l : lanes_) l.socket.close();
   }
 
@@ -487,54 +538,135 @@ class tcp_sender {
     tcp_socket socket;
     std::deque<outgoing> queue;  // FIFO: the front is being written
     tcp_wire::ack ack{};
-    std::size_t ack_have = 0;  // bytes of `ack` read so far
+    std::size_t ack_have = 0;     // bytes of `ack` read so far
+    bool open = true;             // false once ended (by the peer, or by this side after a failure)
+    bool wake_when_sent = false;  // TCP_NOTSENT_LOWAT 1: POLLOUT once nothing is unsent
   };
 
+  // The final event of an unfinished ticket, with a failure's status.
+  void fail_ticket(send_ticket ticket, errc status, time_point at) {
+    if (undelivered_.erase(ticket))
+      events_.push_back({ticket, completion_kind::delivered, status, at});
+  }
+
+  void end_socket(lane_state& l) {
+    if (!l.open) return;
+    l.open = false;
+    l.socket.shutdown();  // the peer sees this lane end
+  }
+
+  // A failure of the whole link (the application's close, poll, a foreign
+  // frame): every unfinished ticket fails now, every lane ends.
   void fail(errc status, std::string why) {
-    if (broken_ != errc::ok) return;
-    broken_ = status;
-    last_error_ = std::move(why);
+    if (broken_ == errc::ok) {
+      broken_ = status;
+      last_error_ = std::move(why);
+    }
     const time_point at = clock::now();
-    for (const send_ticket t : undelivered_)
-      events_.push_back({t, completion_kind::delivered, status, at});
-    undelivered_.clear();
+    while (!undelivered_.empty()) fail_ticket(undelivered_.begin()->first, status, at);
     for (auto& l : lanes_) {
       l.queue.clear();
-      l.socket.shutdown();
+      end_socket(l);
     }
   }
 
-  // One round: waits up to timeout_ms for any socket to be readable (acks,
-  // EOF) or, with data queued, writable; then writes lane 0 before lane 1 and
-  // reads every ack available.
+  // Lane `lane` ended: the peer closed or reset it, and every ack it sent
+  // before that was read (read_acks reads up to the end). Its sends without an
+  // ack can no longer be delivered. The link is failed from now on: nothing
+  // more is posted or written, so frames not wholly written fail on every lane.
+  // Sends wholly written on another lane wait for that lane's own acks or end:
+  // their acks may still be in flight behind this lane's end.
+  void end_lane(std::size_t lane, errc status, std::string why) {
+    if (!lanes_[lane].open) return;
+    if (broken_ == errc::ok) {
+      broken_ = status;
+      last_error_ = std::move(why);
+    }
+    end_socket(lanes_[lane]);
+    const time_point at = clock::now();
+    for (auto& l : lanes_) {
+      for (const outgoing& o : l.queue) fail_ticket(o.frame.ticket, status, at);
+      l.queue.clear();
+    }
+    for (auto it = undelivered_.begin(); it != undelivered_.end();) {
+      const auto [ticket, on] = *it++;  // fail_ticket erases the entry
+      if (on == lane) fail_ticket(ticket, status, at);
+    }
+    // A lane with no ack left to wait for ends too, so the peer sees the link go.
+    for (std::size_t i = 0; i < lanes_.size(); ++i)
+      if (!awaits_ack(i)) end_socket(lanes_[i]);
+  }
+
+  [[nodiscard]] bool awaits_ack(std::size_t lane) const noexcept {
+    return std::any_of(undelivered_.begin(), undelivered_.end(),
+                       [lane](const auto& t) { return t.second == lane; });
+  }
+
+  // One round: waits up to timeout_ms for any open socket to be readable
+  // (acks, EOF) or, with data queued, writable; then writes lane 0 before lane
+  // 1 and reads every ack available on every open lane (a lane's end does not
+  // stop the others from being read: their acks may be waiting behind it).
   void progress(int timeout_ms) {
-    if (broken_ != errc::ok) return;
     pollfd fds[2];
     const auto n = lanes_.size();
+    bool any_open = false;
+    const bool residual_waits = residual_waits_for_anchor_bytes();
     for (std::size_t i = 0; i < n; ++i) {
-      fds[i].fd = lanes_[i].socket.fd();
-      fds[i].events = static_cast<short>(POLLIN | (may_write(i) ? POLLOUT : 0));
+      any_open = any_open || lanes_[i].open;
+      fds[i].fd = lanes_[i].open ? lanes_[i].socket.fd() : -1;  // poll skips a negative fd
+      const bool out = may_write(i) || (i == 0 && residual_waits);
+      fds[i].events = static_cast<short>(POLLIN | (out ? POLLOUT : 0));
       fds[i].revents = 0;
     }
+    if (!any_open) return;
+    // The kernel wakes a POLLOUT waiter when acks free space; the last unsent
+    // bytes can also leave without one (TCP small queues), so look again soon.
+    if (residual_waits && (timeout_ms < 0 || timeout_ms > 2)) timeout_ms = 2;
     const int ready = ::poll(fds, static_cast<nfds_t>(n), timeout_ms);
     if (ready < 0) {
       if (errno != EINTR)
         fail(errc::transport_failure, "tcp_sender: poll failed: " + detail::errno_text(errno));
       return;
     }
-    for (std::size_t i = 0; i < n && broken_ == errc::ok; ++i)
+    for (std::size_t i = 0; i < n; ++i)
       if (may_write(i)) write_lane(i);
-    for (std::size_t i = 0; i < n && broken_ == errc::ok; ++i) read_acks(i);
+    for (std::size_t i = 0; i < n; ++i)
+      if (lanes_[i].open) read_acks(i);
   }
 
-  // Lane 0 always; lane 1 (with anchor_first_writes) only once lane 0's queue is empty.
-  [[nodiscard]] bool may_write(std::size_t lane) const noexcept {
-    if (lanes_[lane].queue.empty()) return false;
-    return lane == 0 || !options_.anchor_first_writes || lanes_[0].queue.empty();
+  // Lane 0 always; lane 1 (with anchor_first_writes) only once lane 0 has
+  // nothing queued here and nothing unsent in its kernel buffer. Nothing once
+  // the link failed (the queues are empty then).
+  [[nodiscard]] bool may_write(std::size_t lane) {
+    if (!lanes_[lane].open || lanes_[lane].queue.empty()) return false;
+    if (lane == 0 || !options_.anchor_first_writes) return true;
+    if (!lanes_[0].queue.empty()) return false;
+    return !lanes_[0].open || detail::unsent_bytes(lanes_[0].socket.fd()) == 0;
+  }
+
+  // Lane 1 has bytes to write and waits only for lane 0's kernel buffer to
+  // drain. While it does, lane 0's TCP_NOTSENT_LOWAT is 1 byte, so poll()
+  // reports lane 0 writable exactly when its last byte has been sent; it goes
+  // back to the system's setting as soon as lane 0 has bytes to write again.
+  [[nodiscard]] bool residual_waits_for_anchor_bytes() {
+    bool waits = false;
+    if (lanes_.size() == 2 && options_.anchor_first_writes && lanes_[0].open &&
+        lanes_[0].queue.empty() && lanes_[1].open && !lanes_[1].queue.empty())
+      waits = detail::unsent_bytes(lanes_[0].socket.fd()) != 0;
+    lane_state& a = lanes_[0];
+    if (a.open && waits != a.wake_when_sent && (waits || !a.queue.empty())) {
+      detail::set_notsent_lowat(a.socket.fd(), waits ? 1 : 0);
+      a.wake_when_sent = waits;
+    }
+    return waits;
   }
 
   void write_lane(std::size_t lane) {
     lane_state& l = lanes_[lane];
+    if (l.wake_when_sent) {  // a new anchor: write it at full speed
+      detail::set_notsent_lowat(l.socket.fd(), 0);
+      l.wake_when_sent = false;
+    }
     while (!l.queue.empty()) {
       outgoing& o = l.queue.front();
       constexpr std::size_t head = sizeof(tcp_wire::frame);
@@ -556,8 +688,10 @@ class tcp_sender {
         if (errno == EINTR) continue;
         if (errno == EAGAIN || errno == EWOULDBLOCK) return;
         const int e = errno;
-        fail(detail::socket_errc(e), "tcp_sender: writing lane " + std::to_string(lane) +
-                                         " failed: " + detail::errno_text(e));
+        read_acks(lane);  // acks that came before the failure still count
+        end_lane(lane, detail::socket_errc(e),
+                 "tcp_sender: writing lane " + std::to_string(lane) +
+                     " failed: " + detail::errno_text(e));
         return;
       }
       o.written += static_cast<std::size_t>(w);
@@ -570,21 +704,24 @@ class tcp_sender {
     }
   }
 
+  // Reads every ack lane `lane` has, up to its end (EOF or an error ends the lane).
   void read_acks(std::size_t lane) {
     lane_state& l = lanes_[lane];
-    while (true) {
+    while (l.open) {
       const ssize_t r = ::recv(l.socket.fd(), reinterpret_cast<char*>(&l.ack) + l.ack_have,
                                sizeof l.ack - l.ack_have, MSG_DONTWAIT);
       if (r == 0) {
-        fail(errc::peer_failure, "tcp_sender: the receiver closed lane " + std::to_string(lane));
+        end_lane(lane, errc::peer_failure,
+                 "tcp_sender: the receiver closed lane " + std::to_string(lane));
         return;
       }
       if (r < 0) {
         if (errno == EINTR) continue;
         if (errno == EAGAIN || errno == EWOULDBLOCK) return;
         const int e = errno;
-        fail(detail::socket_errc(e), "tcp_sender: reading lane " + std::to_string(lane) +
-                                         " failed: " + detail::errno_text(e));
+        end_lane(lane, detail::socket_errc(e),
+                 "tcp_sender: reading lane " + std::to_string(lane) +
+                     " failed: " + detail::errno_text(e));
         return;
       }
       l.ack_have += static_cast<std::size_t>(r);
@@ -598,13 +735,15 @@ class tcp_sender {
       // An ack of a ticket already final (a segment duplicated in transit) is ignored.
       if (undelivered_.erase(l.ack.ticket))
         events_.push_back({l.ack.ticket, completion_kind::delivered, errc::ok, clock::now()});
+      // The link failed and this lane's last awaited ack came: end it too.
+      if (broken_ != errc::ok && !awaits_ack(lane)) end_socket(l);
     }
   }
 
   tcp_options options_;
   std::vector<lane_state> lanes_;
   std::deque<send_event<clock>> events_;
-  std::set<send_ticket> undelivered_;  // posted, no final event yet
+  std::map<send_ticket, std::size_t> undelivered_;  // posted, no final event yet -> its lane
   send_ticket next_ticket_ = 1;
   errc broken_ = errc::ok;
   std::string last_error_;
@@ -650,10 +789,11 @@ class tcp_receiver {
   [[nodiscard]] int lane_count() const noexcept { return static_cast<int>(lanes_.size()); }
 
   /// The oldest complete segment of the lowest lane that has one. Segments
-  /// that arrived before a failure are handed out first; then the failure:
-  /// peer_failure (EOF, reset), corrupted_segment once for a frame length over
-  /// the cap or a damaged frame header (the stream position is lost, so every
-  /// later call answers transport_failure), or timeout at the deadline.
+  /// that arrived before a failure are handed out first (every lane is read to
+  /// its end); then the failure: peer_failure (EOF, reset) once every lane has
+  /// ended, corrupted_segment once for a frame length over the cap or a
+  /// damaged frame header (the stream position is lost, so every later call
+  /// answers transport_failure), or timeout at the deadline.
   receive_result<clock> try_receive(time_point deadline) {
     while (true) {
       progress(0);
@@ -684,8 +824,15 @@ class tcp_receiver {
   [[nodiscard]] errc status() const noexcept { return broken_; }
   [[nodiscard]] const std::string& last_error() const noexcept { return last_error_; }
 
+  /// Closes every lane (the sender sees EOF), after writing the acks still
+  /// queued (without waiting: a 16-byte ack finds room in the socket buffer
+  /// unless the sender stopped reading), so a segment handed out counts as delivered.
   void close() {
-    for (auto& l : lanes_) l.socket.close();
+    if (broken_ == errc::ok) flush_acks();
+    for (auto& l : lanes_) {
+      l.socket.close();
+      l.open = false;
+    }
     if (broken_ == errc::ok) broken_ = errc::peer_failure;
   }
 
@@ -705,25 +852,44 @@ class tcp_receiver {
     std::deque<arrived> ready;
     std::vector<std::byte> acks;  // ack bytes not yet written
     std::size_t acks_sent = 0;
+    bool open = true;  // false once the lane ended (EOF, an error, a framing error)
   };
 
-  // A lane failed: `status` is reported once its complete segments (and every
-  // other lane's) have been handed out. A framing error is fatal to the link.
+  // A framing error: the stream position is lost, fatal to the link.
   void fail(errc status, std::string why) {
     if (broken_ != errc::ok) return;
     last_error_ = std::move(why);
-    if (status == errc::corrupted_segment) {
-      report_once_ = errc::corrupted_segment;
-      broken_ = errc::transport_failure;
-      for (auto& l : lanes_)
-        l.socket.shutdown();  // the sender must not wait for acks that cannot come
-    } else {
-      broken_ = status;
+    report_once_ = status;
+    broken_ = errc::transport_failure;
+    for (auto& l : lanes_) {
+      l.socket.shutdown();  // the sender must not wait for acks that cannot come
+      l.open = false;
     }
   }
 
+  // Lane `lane` ended (EOF, a socket error) after everything before its end was
+  // read. The other lanes are still read to their own ends: the link's
+  // failure, `status` of the first lane to end, is reported once every lane has
+  // ended and every complete segment has been handed out.
+  void end_lane(std::size_t lane, errc status, std::string why) {
+    lane_state& l = lanes_[lane];
+    if (!l.open) return;
+    l.open = false;
+    l.socket.shutdown();
+    l.acks.clear();  // nobody reads them any more
+    l.acks_sent = 0;
+    if (ended_ == errc::ok) {
+      ended_ = status;
+      last_error_ = std::move(why);
+    }
+    for (const auto& other : lanes_)
+      if (other.open) return;
+    broken_ = ended_;
+  }
+
   void queue_ack(std::size_t lane, send_ticket ticket) {
-    if (broken_ != errc::ok) return;  // the link is gone; the sender learns it from the socket
+    // The link or the lane is gone; the sender learns it from the socket.
+    if (broken_ != errc::ok || !lanes_[lane].open) return;
     tcp_wire::ack a;
     a.ticket = ticket;
     const auto* p = reinterpret_cast<const std::byte*>(&a);
@@ -733,7 +899,7 @@ class tcp_receiver {
   void flush_acks() {
     for (std::size_t i = 0; i < lanes_.size() && broken_ == errc::ok; ++i) {
       lane_state& l = lanes_[i];
-      while (l.acks_sent < l.acks.size()) {
+      while (l.open && l.acks_sent < l.acks.size()) {
         const ssize_t w = ::send(l.socket.fd(), l.acks.data() + l.acks_sent,
                                  l.acks.size() - l.acks_sent, MSG_NOSIGNAL | MSG_DONTWAIT);
         if (w > 0) {
@@ -743,9 +909,11 @@ class tcp_receiver {
         if (w < 0 && errno == EINTR) continue;
         if (w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
         const int e = errno;
-        fail(detail::socket_errc(e), "tcp_receiver: writing an ack on lane " + std::to_string(i) +
-                                         " failed: " + detail::errno_text(e));
-        return;
+        read_lane(i);  // segments that came before the failure are still handed out
+        end_lane(i, detail::socket_errc(e),
+                 "tcp_receiver: writing an ack on lane " + std::to_string(i) +
+                     " failed: " + detail::errno_text(e));
+        break;
       }
       if (l.acks_sent == l.acks.size()) {
         l.acks.clear();
@@ -754,30 +922,43 @@ class tcp_receiver {
     }
   }
 
+  // One round: waits up to timeout_ms for an open lane to be readable or,
+  // with acks queued, writable; then writes the acks and reads the open lanes:
+  // lane 0 wholly; lane 1 only while lane 0 has no complete segment waiting,
+  // and at most residual_read_bytes of it, so reading (copying) residual bytes
+  // never holds back an anchor that has arrived.
   void progress(int timeout_ms) {
     if (broken_ != errc::ok) return;
     pollfd fds[2];
     const auto n = lanes_.size();
     for (std::size_t i = 0; i < n; ++i) {
-      fds[i].fd = lanes_[i].socket.fd();
+      fds[i].fd = lanes_[i].open ? lanes_[i].socket.fd() : -1;  // poll skips a negative fd
       fds[i].events = static_cast<short>(POLLIN | (lanes_[i].acks.empty() ? 0 : POLLOUT));
       fds[i].revents = 0;
     }
     const int ready = ::poll(fds, static_cast<nfds_t>(n), timeout_ms);
     if (ready < 0) {
-      if (errno != EINTR)
-        fail(errc::transport_failure, "tcp_receiver: poll failed: " + detail::errno_text(errno));
+      if (errno != EINTR) {
+        last_error_ = "tcp_receiver: poll failed: " + detail::errno_text(errno);
+        broken_ = errc::transport_failure;
+      }
       return;
     }
     flush_acks();
-    for (std::size_t i = 0; i < n && broken_ == errc::ok; ++i) read_lane(i);
+    if (broken_ == errc::ok && lanes_[0].open) read_lane(0);
+    if (n == 2 && broken_ == errc::ok && lanes_[1].open && lanes_[0].ready.empty())
+      read_lane(1, lanes_[0].open ? residual_read_bytes : ~std::size_t{0});
   }
 
-  // Reads whatever lane `lane` has: frame headers, then bodies of their announced length.
-  void read_lane(std::size_t lane) {
+  static constexpr std::size_t residual_read_bytes = std::size_t{256} << 10;
+
+  // Reads what lane `lane` has, up to about `budget` bytes: frame headers, then
+  // bodies of their announced length.
+  void read_lane(std::size_t lane, std::size_t budget = ~std::size_t{0}) {
     lane_state& l = lanes_[lane];
     const std::string name = "lane " + std::to_string(lane);
-    while (broken_ == errc::ok) {
+    std::size_t got = 0;
+    while (broken_ == errc::ok && l.open && got < budget) {
       char* dst;
       std::size_t want;
       if (!l.in_body) {
@@ -785,26 +966,27 @@ class tcp_receiver {
         want = sizeof l.frame - l.frame_have;
       } else {
         dst = reinterpret_cast<char*>(l.body.data()) + l.body_have;
-        want = l.body.size() - l.body_have;
+        want = std::min(l.body.size() - l.body_have, budget - got);
       }
       ssize_t r = 0;
       if (want) {
         r = ::recv(l.socket.fd(), dst, want, MSG_DONTWAIT);
         if (r == 0) {
-          fail(errc::peer_failure,
-               "tcp_receiver: the sender closed " + name +
-                   (l.in_body || l.frame_have ? " in the middle of a segment" : ""));
+          end_lane(lane, errc::peer_failure,
+                   "tcp_receiver: the sender closed " + name +
+                       (l.in_body || l.frame_have ? " in the middle of a segment" : ""));
           return;
         }
         if (r < 0) {
           if (errno == EINTR) continue;
           if (errno == EAGAIN || errno == EWOULDBLOCK) return;
           const int e = errno;
-          fail(detail::socket_errc(e),
-               "tcp_receiver: reading " + name + " failed: " + detail::errno_text(e));
+          end_lane(lane, detail::socket_errc(e),
+                   "tcp_receiver: reading " + name + " failed: " + detail::errno_text(e));
           return;
         }
       }
+      got += static_cast<std::size_t>(r);
       if (!l.in_body) {
         l.frame_have += static_cast<std::size_t>(r);
         if (l.frame_have < sizeof l.frame) continue;
@@ -840,7 +1022,8 @@ class tcp_receiver {
   std::vector<lane_state> lanes_;
   std::map<std::uint64_t, aligned_buffer> held_;  // handle -> bytes handed out, until released
   std::uint64_t next_handle_ = 1;
-  errc broken_ = errc::ok;
+  errc broken_ = errc::ok;  // the link's failure, reported after every segment handed out
+  errc ended_ = errc::ok;   // the first lane's end, the link's failure once every lane ended
   errc report_once_ = errc::ok;
   std::string last_error_;
 };

@@ -19,6 +19,14 @@
 // picks eager or rendezvous). Completion of the send is "buffer reusable" (a
 // local completion, not delivery); "delivered" is the receiver's ack message
 // carrying the ticket, sent when try_receive hands the segment out.
+//
+// UCX has no send priorities: two endpoints crossing one bottleneck share it
+// fairly, and a send handed to UCX goes out as fast as the network takes it.
+// So the sender holds residual-lane sends back itself (ucx_options::
+// anchor_first_posts): a lane-1 send is handed to UCX only when every
+// lane-0 send posted before it has been delivered (acked). An anchor posted
+// while residual sends are already with UCX still shares the link with them:
+// the scheduler's residual window bounds those bytes.
 #pragma once
 
 #if __has_include(<ucp/api/ucp.h>)
@@ -57,6 +65,11 @@ struct ucx_options {
   /// Largest segment (header included) a receiver accepts; a larger message is
   /// dropped before any allocation and reported once as errc::corrupted_segment.
   std::size_t max_segment_bytes = std::size_t{512} << 20;
+  /// Sender with two lanes: hand a residual-lane send to UCX only while no
+  /// anchor-lane send waits for its delivery; until then it waits in the
+  /// sender, in posting order. Without it, UCX sends both lanes at once and
+  /// the residual takes about half the link from the anchors.
+  bool anchor_first_posts = true;
 };
 
 namespace detail {
@@ -209,7 +222,9 @@ class ucx_sender {
 
   /// Connects `lanes` endpoints to a ucx_receiver listening at host:port and
   /// waits (flush) until they are wired up, before the deadline.
-  ucx_sender(const std::string& host, std::uint16_t port, time_point deadline, int lanes = 2) {
+  ucx_sender(const std::string& host, std::uint16_t port, time_point deadline, int lanes = 2,
+             ucx_options options = {})
+      : options_(options) {
     detail::require(lanes == 1 || lanes == 2, errc::invalid_argument,
                     "ucx_sender: " + std::to_string(lanes) + " lanes requested (1 or 2)");
     ucp_am_handler_param_t h{};
@@ -279,27 +294,20 @@ class ucx_sender {
     op->owner = this;
     op->header.lane = request.lane;
     op->header.ticket = ticket;
-    ucp_request_param_t p{};
-    p.op_attr_mask =
-        UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
-    p.cb.send = &ucx_sender::on_sent;
-    p.user_data = op.get();
-    p.flags = UCP_AM_SEND_FLAG_REPLY;  // the receiver acks on the endpoint this came from
+    op->bytes = request.bytes;
+    if (request.lane != 0 && holds_residuals()) {  // handed to UCX by release_residuals()
+      held_back_.push_back(ticket);
+      pending_.emplace(ticket, std::move(op));
+      return {errc::ok, ticket};
+    }
     pending_send* raw = op.get();
     pending_.emplace(ticket, std::move(op));
-    void* r = ucp_am_send_nbx(eps_[request.lane], detail::ucx_segment_am_id, &raw->header,
-                              sizeof raw->header, request.bytes.data(), request.bytes.size(), &p);
-    if (UCS_PTR_IS_ERR(r)) {
+    const errc e = start(*raw);
+    if (e != errc::ok) {
       pending_.erase(ticket);
-      const errc e = detail::ucx_errc(UCS_PTR_STATUS(r));
       return {e, 0};
     }
-    if (r == nullptr) {
-      events_.push_back({ticket, completion_kind::buffer_reusable, errc::ok, clock::now()});
-      raw->reusable = true;
-    } else {
-      raw->request = r;
-    }
+    if (request.lane == 0) ++anchors_undelivered_;
     return {errc::ok, ticket};
   }
 
@@ -307,6 +315,7 @@ class ucx_sender {
     while (true) {
       worker_.progress();
       settle();
+      release_residuals();
       if (!events_.empty()) {
         const send_event<clock> e = events_.front();
         events_.pop_front();
@@ -324,9 +333,53 @@ class ucx_sender {
   struct pending_send {
     ucx_sender* owner = nullptr;
     detail::ucx_segment_header header;  // read by UCX until the send completes
+    std::span<const std::byte> bytes;   // the caller's buffer
     void* request = nullptr;            // the UCX request while the send is incomplete
     bool reusable = false, final = false;
   };
+
+  // Residual sends wait while an anchor send is undelivered (or earlier
+  // residual sends still wait: they keep their order).
+  [[nodiscard]] bool holds_residuals() const noexcept {
+    return options_.anchor_first_posts && (anchors_undelivered_ != 0 || !held_back_.empty());
+  }
+
+  // Hands the residual sends held back to UCX once no anchor send is undelivered.
+  void release_residuals() {
+    while (!held_back_.empty() && anchors_undelivered_ == 0 && broken_ == errc::ok) {
+      const send_ticket ticket = held_back_.front();
+      held_back_.pop_front();
+      const auto it = pending_.find(ticket);
+      if (it == pending_.end() || it->second->final) continue;
+      const errc e = start(*it->second);
+      if (e != errc::ok) {  // the ticket was given out: it ends with the failure
+        it->second->final = true;
+        events_.push_back({ticket, completion_kind::delivered, e, clock::now()});
+        retire(ticket);
+      }
+    }
+  }
+
+  // Hands one send to UCX; "buffer reusable" at once when UCX took the bytes.
+  errc start(pending_send& op) {
+    ucp_request_param_t p{};
+    p.op_attr_mask =
+        UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+    p.cb.send = &ucx_sender::on_sent;
+    p.user_data = &op;
+    p.flags = UCP_AM_SEND_FLAG_REPLY;  // the receiver acks on the endpoint this came from
+    void* r = ucp_am_send_nbx(eps_[op.header.lane], detail::ucx_segment_am_id, &op.header,
+                              sizeof op.header, op.bytes.data(), op.bytes.size(), &p);
+    if (UCS_PTR_IS_ERR(r)) return detail::ucx_errc(UCS_PTR_STATUS(r));
+    if (r == nullptr) {
+      events_.push_back(
+          {op.header.ticket, completion_kind::buffer_reusable, errc::ok, clock::now()});
+      op.reusable = true;
+    } else {
+      op.request = r;
+    }
+    return errc::ok;
+  }
 
   void fail(errc status, std::string why) {
     if (broken_ != errc::ok) return;
@@ -338,6 +391,8 @@ class ucx_sender {
         op->final = true;
         events_.push_back({ticket, completion_kind::delivered, status, at});
       }
+    held_back_.clear();
+    anchors_undelivered_ = 0;
   }
 
   // A failure seen inside a UCX callback is only noted there; it becomes final
@@ -392,6 +447,7 @@ class ucx_sender {
     const auto it = self.pending_.find(a.ticket);
     if (it == self.pending_.end() || it->second->final) return UCS_OK;  // a duplicate ack
     it->second->final = true;
+    if (it->second->header.lane == 0) --self.anchors_undelivered_;
     self.events_.push_back({a.ticket, completion_kind::delivered, errc::ok, clock::now()});
     self.retire(a.ticket);
     return UCS_OK;
@@ -403,9 +459,12 @@ class ucx_sender {
         std::string("ucx_sender: endpoint error: ") + ucs_status_string(status));
   }
 
+  ucx_options options_;
   detail::ucx_worker worker_;
   std::vector<ucp_ep_h> eps_;
   std::map<send_ticket, std::unique_ptr<pending_send>> pending_;
+  std::deque<send_ticket> held_back_;    // residual sends not yet handed to UCX, in posting order
+  std::size_t anchors_undelivered_ = 0;  // lane-0 sends handed to UCX, not final
   std::deque<send_event<clock>> events_;
   send_ticket next_ticket_ = 1;
   errc broken_ = errc::ok, failing_ = errc::ok;  // failing_: noted in a callback, not yet final

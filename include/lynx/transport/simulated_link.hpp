@@ -250,7 +250,8 @@ class simulated_link {
   }
 
  private:
-  __extension__ using service = __int128;  // units of 1/(2e12) byte: exact for half of any rate
+  __extension__ typedef __int128 service;  // units of 1/(2e12) byte: exact for half of any rate
+  // (a typedef: nvcc's front end takes __extension__ before a typedef, not before a using)
   static constexpr service units_per_byte = 2'000'000'000'000;
 
   struct ticket_and_chunk {

@@ -285,8 +285,7 @@ decoded_layer decode_reference(const reference_layout& L,
   const std::byte* anchor = segments[0].data() + 128;
   auto read_floats = [&](std::int64_t at, std::int64_t n) {
     std::vector<float> v(static_cast<std::size_t>(n));
-    for (std::int64_t i = 0; i < n; ++i)
-      v[static_cast<std::size_t>(i)] = read_bf16(anchor + at, i);
+    for (std::int64_t i = 0; i < n; ++i) v[static_cast<std::size_t>(i)] = read_bf16(anchor + at, i);
     return v;
   };
   d.key_scale = read_floats(L.key_scale_at(), L.key_params());
@@ -978,7 +977,7 @@ TEST_CASE_TEMPLATE_DEFINE(
     // The parameters are checked at accept and named by kv head and group.
     const lynx::layer_geometry& g = good.geometry();
     struct forgery {
-      int section;        // 0 key_scale, 1 key_zero, 2 value_scale, 3 value_zero
+      int section;         // 0 key_scale, 1 key_zero, 2 value_scale, 3 value_zero
       std::int64_t index;  // parameter index inside the section
       std::uint16_t bits;  // bf16 bits written there
       std::string where;   // expected in the message
@@ -996,8 +995,8 @@ TEST_CASE_TEMPLATE_DEFINE(
     };
     for (const forgery& f : forgeries) {
       std::vector<std::byte> forged = bytes_of(anchor);
-      std::memcpy(forged.data() + lynx::segment_header_bytes + g.param_section_offset(f.section, 2) +
-                      2 * f.index,
+      std::memcpy(forged.data() + lynx::segment_header_bytes +
+                      g.param_section_offset(f.section, 2) + 2 * f.index,
                   &f.bits, 2);
       lynx::seal_segment(forged);
       INFO("section " << f.section << " index " << f.index);

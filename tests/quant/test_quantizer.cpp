@@ -171,11 +171,11 @@ TEST_CASE(
     "group parameters: bf16 zero = min rounded down, bf16 scale = range / (2^B - 1) rounded up; "
     "tiny ranges are constant; overflow detected") {
   auto p8 = lynx::make_group_params<8>(-1.0f, 1.55f);
-  CHECK(p8.zero == -1.0f);                  // a bf16 value: kept
-  CHECK(p8.scale == 0x1.48p-7f);            // 0.01 rounded up to 8 significant bits
-  CHECK(p8.scale * 255.0f >= 2.55f);        // the bins cover the group
-  CHECK(lynx::make_group_params<8>(0.3f, 1.0f).zero == 0x1.32p-2f);   // 0.3 rounded down
-  CHECK(lynx::make_group_params<8>(-0.3f, 1.0f).zero == -0x1.34p-2f); // -0.3 rounded down
+  CHECK(p8.zero == -1.0f);            // a bf16 value: kept
+  CHECK(p8.scale == 0x1.48p-7f);      // 0.01 rounded up to 8 significant bits
+  CHECK(p8.scale * 255.0f >= 2.55f);  // the bins cover the group
+  CHECK(lynx::make_group_params<8>(0.3f, 1.0f).zero == 0x1.32p-2f);    // 0.3 rounded down
+  CHECK(lynx::make_group_params<8>(-0.3f, 1.0f).zero == -0x1.34p-2f);  // -0.3 rounded down
   CHECK(lynx::bf16_round_down(-0.0f) == 0.0f);
   CHECK(std::signbit(lynx::bf16_round_down(-0.0f)));
   CHECK(lynx::bf16_round_up(0x1.0001p0f) == 0x1.02p0f);
@@ -211,8 +211,8 @@ TEST_CASE("quantize_value clamps to [0, 2^B - 1] and maps min and max to the end
   CHECK(lynx::quantize_value<8>(3.0f, p.zero, inv) >= 254u);
   const auto exact = lynx::make_group_params<8>(-2.0f, 0.5f * 255.0f - 2.0f);  // scale 0.5
   CHECK(exact.scale == 0.5f);
-  CHECK(lynx::quantize_value<8>(0.5f * 255.0f - 2.0f, exact.zero,
-                                lynx::inverse_scale<8>(exact)) == 255u);
+  CHECK(lynx::quantize_value<8>(0.5f * 255.0f - 2.0f, exact.zero, lynx::inverse_scale<8>(exact)) ==
+        255u);
   CHECK(lynx::quantize_value<8>(-5.0f, p.zero, inv) == 0u);     // below the group: clamped
   CHECK(lynx::quantize_value<8>(100.0f, p.zero, inv) == 255u);  // above: clamped
   const auto q = lynx::make_group_params<16>(-2.0f, 65535.0f * 0.25f - 2.0f);  // scale 0.25
@@ -254,8 +254,7 @@ TEST_CASE_TEMPLATE_APPLY(reference_id, plans);
 
 TEST_CASE_TEMPLATE_DEFINE(
     "constant, denormal-only and signed-zero groups: scale 0, codes 0, reconstruction = zero point",
-    Plan,
-    constant_id) {
+    Plan, constant_id) {
   constexpr int B = Plan::bits;
   check_group<B>({2.5f, 2.5f, 2.5f});
   check_group<B>({-1e-30f});                                // one element

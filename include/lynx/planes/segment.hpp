@@ -56,7 +56,7 @@ static_assert(std::endian::native == std::endian::little,
               "Lynx's wire format is little-endian; big-endian hosts are not supported");
 
 inline constexpr std::uint32_t segment_magic = 0x584e594cu;  // "LYNX" in memory order
-inline constexpr std::uint16_t segment_version = 2;  // 2: scales and zero points as bf16
+inline constexpr std::uint16_t segment_version = 2;          // 2: scales and zero points as bf16
 inline constexpr std::uint8_t layout_planes_along_tokens = 1;
 
 /// The 128-byte header at the start of every segment (on the wire, as is).

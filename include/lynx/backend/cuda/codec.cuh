@@ -550,8 +550,7 @@ void throw_encode_status(const encode_status& st, const kv_view<const T, device_
 namespace detail {
 /// The expanded float parameters (bf16 values) to the anchor's bf16 sections.
 template <int Unused = 0>
-__global__ void wire_params_kernel(layer_geometry g, const float* expanded,
-                                          std::byte* payload) {
+__global__ void wire_params_kernel(layer_geometry g, const float* expanded, std::byte* payload) {
   for (int section = 0; section < 4; ++section) {
     const float* src = expanded + g.param_section_offset(section, 4) / 4;
     auto* dst = reinterpret_cast<std::uint16_t*>(
@@ -623,8 +622,8 @@ template <stream_plan_type Plan, int G = 32, kv_element T>
       values, g, value_scale, value_zero,
       detail::make_plane_rows<std::uint32_t>(g, payload, false, B));
   LYNX_CUDA_TRY(cudaGetLastError());
-  detail::wire_params_kernel<><<<256, 256, 0, stream>>>(g, reinterpret_cast<const float*>(params),
-                                                      payload[0]);
+  detail::wire_params_kernel<>
+      <<<256, 256, 0, stream>>>(g, reinterpret_cast<const float*>(params), payload[0]);
   return cudaGetLastError();
 }
 

@@ -37,6 +37,16 @@ constexpr std::uint32_t seed = 11;
 
 clock_type::time_point in(clock_type::duration d) { return clock_type::now() + d; }
 
+// A child receiver's loop: takes n segments, releasing each; 0, or 2 on an error.
+int receive_and_release(lynx::tcp_receiver& r, int n) {
+  for (int i = 0; i < n; ++i) {
+    const auto got = r.try_receive(in(20s));
+    if (!got.ok()) return 2;
+    r.release(got.segment);
+  }
+  return 0;
+}
+
 std::vector<lynx::host_bitplane_tensor<plan>> make_tensors(int layers, std::uint64_t generation,
                                                            lynx::kv_shape of = shape) {
   std::vector<lynx::host_bitplane_tensor<plan>> t;
@@ -533,12 +543,7 @@ TEST_CASE(
     lynx::test::child_process receiver([port, &go, options] {
       auto r = lynx::tcp_receiver::connect("127.0.0.1", port, in(10s), options);
       if (!go.wait()) return 1;
-      for (int i = 0; i < 2 * layers; ++i) {
-        const auto got = r.try_receive(in(20s));
-        if (!got.ok()) return 2;
-        r.release(got.segment);
-      }
-      return 0;
+      return receive_and_release(r, 2 * layers);
     });
     auto sender = lynx::tcp_sender::accept(listener, in(10s), options);
     std::vector<lynx::encoded_layer<plan>> encoded;
@@ -582,12 +587,7 @@ TEST_CASE(
       const std::uint16_t port = listener.port();
       lynx::test::child_process receiver([port, options] {
         auto r = lynx::tcp_receiver::connect("127.0.0.1", port, in(10s), options);
-        for (int i = 0; i < 2 * layers; ++i) {
-          const auto got = r.try_receive(in(20s));
-          if (!got.ok()) return 2;
-          r.release(got.segment);
-        }
-        return 0;
+        return receive_and_release(r, 2 * layers);
       });
       auto sender = lynx::tcp_sender::accept(listener, in(10s), options);
       const int rc = lynx::test::send_request<plan>(sender, small_shape, layers, seed,

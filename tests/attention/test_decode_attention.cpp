@@ -10,6 +10,7 @@
 #include <limits>
 #include <random>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "../support/attention_paths.hpp"
@@ -376,8 +377,14 @@ TEST_CASE_TEMPLATE("a complete layer merged into codes: the bits of attention ov
   codes_case<Plan, 64>(300, 2, 5, 48, 2, 2);    // 5 heads: 4 + 1; 48 channels: passes of 32, 16
   codes_case<Plan, 64>(1100, 2, 4, 128, 3, 2);  // a value group spans a pass of 32 channels
   codes_case<Plan, 64>(300, 1, 2, 192, 2, 2);
-  codes_case<Plan, 16>(200, 1, 4, 64, 2, 2);  // key groups of 16 tokens: the portable scores
-  codes_case<Plan, 8>(100, 1, 4, 64, 2, 2);   // value groups of 8 channels: the portable values
+  // Group sizes lynx::kernels does not ship are compiled here, so each bit width
+  // (8 and 16) meets each of them once, not every plan:
+  // key groups of 16 tokens: the portable scores
+  if constexpr (std::is_same_v<Plan, lynx::plan_8_2_2_4> || std::is_same_v<Plan, lynx::plan_16_4_4_8>)
+    codes_case<Plan, 16>(200, 1, 4, 64, 2, 2);
+  // value groups of 8 channels: the portable values
+  if constexpr (std::is_same_v<Plan, lynx::plan_8_4_4> || std::is_same_v<Plan, lynx::plan_16_4_12>)
+    codes_case<Plan, 8>(100, 1, 4, 64, 2, 2);
   codes_case<Plan>(131, 1, 12, 64, 2, 2);     // 12 heads: score passes of 8 and 4
 }
 

@@ -9,6 +9,8 @@
 #
 # Inputs: MODE LYNX_SOURCE_DIR LYNX_BINARY_DIR WORK_DIR GENERATOR CXX_COMPILER BUILD_TYPE
 #         CUDA_COMPILER CUDA_ARCHITECTURES (find_package_cuda only)
+#         EXPECT_KERNELS EXPECT_UCX (find_package: the build had lynx::kernels / lynx::ucx,
+#         so the install must provide them)
 cmake_minimum_required(VERSION 3.25)
 
 foreach(var MODE LYNX_SOURCE_DIR LYNX_BINARY_DIR WORK_DIR GENERATOR CXX_COMPILER)
@@ -46,6 +48,10 @@ if(MODE MATCHES "^find_package")
   # Only the prefix may provide lynx (not the build tree's own export).
   list(APPEND configure_args "-DCMAKE_PREFIX_PATH=${prefix}"
     -DCMAKE_FIND_USE_PACKAGE_REGISTRY=OFF)
+  if(MODE STREQUAL "find_package")
+    list(APPEND configure_args "-DLYNX_EXPECT_KERNELS=${EXPECT_KERNELS}"
+      "-DLYNX_EXPECT_UCX=${EXPECT_UCX}")
+  endif()
   if(MODE STREQUAL "find_package_cuda")
     # One architecture is enough to prove the target works; keep nvcc time low.
     list(GET CUDA_ARCHITECTURES 0 arch)
@@ -68,6 +74,12 @@ run_step("build" "${CMAKE_COMMAND}" --build "${build_dir}" --config "${BUILD_TYP
 set(exes consumer)
 if(MODE STREQUAL "find_package_cuda")
   list(APPEND exes consumer_cuda)
+endif()
+if(MODE STREQUAL "find_package" AND EXPECT_KERNELS)
+  list(APPEND exes consumer_kernels)
+endif()
+if(MODE STREQUAL "find_package" AND EXPECT_UCX)
+  list(APPEND exes consumer_ucx)
 endif()
 foreach(exe IN LISTS exes)
   find_program(exe_path_${exe} ${exe} PATHS "${build_dir}" "${build_dir}/${BUILD_TYPE}"

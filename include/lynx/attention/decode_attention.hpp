@@ -147,15 +147,16 @@ template <stream_plan_type Plan, int G>
 struct prompt_traits<code_view<Plan, G>> {
   static constexpr bool valid = true;
 };
+// fp16 dense prompts: the AVX2 and AVX-512 dense kernels read float and bf16 only.
 template <class T>
 struct prompt_traits<dense_prompt<T>> {
-  static constexpr bool valid = kv_element<T>;
+  static constexpr bool valid = std::is_same_v<T, float> || std::is_same_v<T, bf16>;
 };
 
 }  // namespace detail
 
 /// A prompt the host attention reads: no_prompt, a host bitplane_view, a
-/// code_view (a complete layer merged into codes), or a dense_prompt<bf16|float|fp16>.
+/// code_view (a complete layer merged into codes), or a dense_prompt<bf16|float>.
 template <class P>
 concept host_attention_prompt = detail::prompt_traits<std::remove_cvref_t<P>>::valid;
 
@@ -242,60 +243,14 @@ class decode_attention {
     return p;
   }
 
+  /// Runs the attention of one call (see the header comment). Defined out of the
+  /// class, not inline: with lynx::kernels linked, the shipped configurations are
+  /// declared `extern template` (lynx/attention/kernels.hpp) and compiled once.
   template <class Prompt, class TailT>
   void operator()(const Prompt& prompt, kv_view<const TailT, host_space> tail_keys,
                   kv_view<const TailT, host_space> tail_values, const attention_queries& q,
                   tail_visibility vis, attention_output out, attention_workspace& ws,
-                  const attention_options& options = {}) const {
-    static_assert(host_attention_prompt<Prompt>,
-                  "decode_attention: the prompt must be lynx::no_prompt, a "
-                  "lynx::bitplane_view<Plan, G, host_space>, a lynx::code_view<Plan, G> "
-                  "or a lynx::dense_prompt<T> (T = float, bf16 or fp16)");
-    static_assert(std::is_same_v<TailT, float> || std::is_same_v<TailT, bf16>,
-                  "decode_attention: the tail holds float or bf16");
-    const attention_problem p = problem(prompt, tail_keys, q, vis);
-    validate(prompt, tail_keys, tail_values, q, vis, out, p);
-    const std::size_t need = attention_workspace::bytes_needed(p, options.threads);
-    if (!(ws.size() >= need))
-      detail::fail(errc::invalid_argument,
-                   "attention: workspace of " + std::to_string(ws.size()) +
-                       " bytes, this call needs " + std::to_string(need) +
-                       " (size it with attention_workspace::reserve before the hot loop)");
-    const bool simd =
-        (options.path == attention_path::automatic || options.path == attention_path::avx512) &&
-        detail::host_has_avx512();
-    if (options.path == attention_path::avx512 && !detail::host_has_avx512())
-      detail::fail(errc::invalid_argument,
-                   "attention: AVX-512 path requested on a CPU without AVX-512F/BW");
-    if (options.path == attention_path::avx2 && !detail::host_has_fma())
-      detail::fail(errc::invalid_argument,
-                   "attention: AVX2 path requested on a CPU without AVX2 and FMA");
-    // the walk where the AVX-512 kernels do not take a source (or are not asked for)
-    const detail::host_walk fallback =
-        options.path == attention_path::portable_baseline || !detail::host_has_fma()
-            ? detail::host_walk::baseline
-        : options.path == attention_path::avx2 || options.path == attention_path::automatic
-            ? detail::host_walk::avx2
-            : detail::host_walk::fma;
-    if (q.count == 0) return;
-
-    if constexpr (std::is_same_v<Prompt, no_prompt>) {
-      run(p, static_cast<const detail::dense_kv_source<TailT>*>(nullptr), tail_keys, tail_values, q,
-          vis, out, ws, options, simd, fallback);
-    } else if constexpr (requires { prompt.key_codes; }) {
-      const detail::code_kv_source<std::remove_cvref_t<Prompt>> src{prompt};
-      run(p, &src, tail_keys, tail_values, q, vis, out, ws, options, simd, fallback);
-    } else if constexpr (requires { prompt.geometry; }) {
-      using view_t = std::remove_cvref_t<Prompt>;
-      const detail::plane_kv_source<typename view_t::plan, view_t::group_size> src{prompt,
-                                                                                   prompt.planes()};
-      run(p, &src, tail_keys, tail_values, q, vis, out, ws, options, simd, fallback);
-    } else {
-      using T = std::remove_const_t<typename decltype(prompt.keys)::element_type>;
-      const detail::dense_kv_source<T> src{prompt.keys, prompt.values};
-      run(p, &src, tail_keys, tail_values, q, vis, out, ws, options, simd, fallback);
-    }
-  }
+                  const attention_options& options = {}) const;
 
  private:
   template <class Prompt, class TailT>
@@ -542,4 +497,70 @@ class decode_attention {
   }
 };
 
+template <class Variant>
+template <class Prompt, class TailT>
+void decode_attention<Variant>::operator()(const Prompt& prompt,
+                                           kv_view<const TailT, host_space> tail_keys,
+                                           kv_view<const TailT, host_space> tail_values,
+                                           const attention_queries& q, tail_visibility vis,
+                                           attention_output out, attention_workspace& ws,
+                                           const attention_options& options) const {
+  static_assert(host_attention_prompt<Prompt>,
+                "decode_attention: the prompt must be lynx::no_prompt, a "
+                "lynx::bitplane_view<Plan, G, host_space>, a lynx::code_view<Plan, G> "
+                "or a lynx::dense_prompt<T> (T = float or bf16)");
+  static_assert(std::is_same_v<TailT, float> || std::is_same_v<TailT, bf16>,
+                "decode_attention: the tail holds float or bf16");
+  const attention_problem p = problem(prompt, tail_keys, q, vis);
+  validate(prompt, tail_keys, tail_values, q, vis, out, p);
+  const std::size_t need = attention_workspace::bytes_needed(p, options.threads);
+  if (!(ws.size() >= need))
+    detail::fail(errc::invalid_argument,
+                 "attention: workspace of " + std::to_string(ws.size()) +
+                     " bytes, this call needs " + std::to_string(need) +
+                     " (size it with attention_workspace::reserve before the hot loop)");
+  const bool simd =
+      (options.path == attention_path::automatic || options.path == attention_path::avx512) &&
+      detail::host_has_avx512();
+  if (options.path == attention_path::avx512 && !detail::host_has_avx512())
+    detail::fail(errc::invalid_argument,
+                 "attention: AVX-512 path requested on a CPU without AVX-512F/BW");
+  if (options.path == attention_path::avx2 && !detail::host_has_fma())
+    detail::fail(errc::invalid_argument,
+                 "attention: AVX2 path requested on a CPU without AVX2 and FMA");
+  // the walk where the AVX-512 kernels do not take a source (or are not asked for)
+  const detail::host_walk fallback =
+      options.path == attention_path::portable_baseline || !detail::host_has_fma()
+          ? detail::host_walk::baseline
+      : options.path == attention_path::avx2 || options.path == attention_path::automatic
+          ? detail::host_walk::avx2
+          : detail::host_walk::fma;
+  if (q.count == 0) return;
+
+  if constexpr (std::is_same_v<Prompt, no_prompt>) {
+    run(p, static_cast<const detail::dense_kv_source<TailT>*>(nullptr), tail_keys, tail_values, q,
+        vis, out, ws, options, simd, fallback);
+  } else if constexpr (requires { prompt.key_codes; }) {
+    const detail::code_kv_source<std::remove_cvref_t<Prompt>> src{prompt};
+    run(p, &src, tail_keys, tail_values, q, vis, out, ws, options, simd, fallback);
+  } else if constexpr (requires { prompt.geometry; }) {
+    using view_t = std::remove_cvref_t<Prompt>;
+    const detail::plane_kv_source<typename view_t::plan, view_t::group_size> src{prompt,
+                                                                                 prompt.planes()};
+    run(p, &src, tail_keys, tail_values, q, vis, out, ws, options, simd, fallback);
+  } else {
+    using T = std::remove_const_t<typename decltype(prompt.keys)::element_type>;
+    const detail::dense_kv_source<T> src{prompt.keys, prompt.values};
+    run(p, &src, tail_keys, tail_values, q, vis, out, ws, options, simd, fallback);
+  }
+}
+
 }  // namespace lynx
+
+// With lynx::kernels linked, the configurations it ships are compiled there once.
+#if defined(LYNX_KERNELS)
+#include "lynx/kernels/config.hpp"
+#include "lynx/kernels/instances.hpp"
+LYNX_KERNELS_FOR_EACH(LYNX_KERNELS_DECLARE_ATTENTION)
+LYNX_KERNELS_ATTENTION_DENSE(extern)
+#endif

@@ -78,8 +78,8 @@ struct model_case {
     return n;
   }
 };
-// Llama-3-8B: Meta's model card. Gemma-3-270M: its GGUF metadata and
-// ../shared/notes/GEMMA3.md (window 512, layers 5, 11, 17 global).
+// Llama-3-8B: Meta's model card. Gemma-3-270M: its GGUF metadata (window 512;
+// layers 5, 11, 17 global).
 const model_case llama{"Llama-3-8B", 32, 8, 128, 8.03e9};
 const model_case gemma{"Gemma-3-270M", 18, 1, 256, 2.68e8, 512, 6};
 

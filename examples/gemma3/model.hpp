@@ -4,7 +4,7 @@
 // forward pass dequantizes one row at a time; dequantization is exact, so the
 // values are those of the fp32 dequantized model).
 //
-// Defaults for keys absent from gemma3 GGUF files (shared/notes/GEMMA3.md):
+// Defaults for keys absent from gemma3 GGUF files (the Gemma 3 architecture as published):
 // sliding-window pattern period 6 with the last layer of each six global;
 // local RoPE base 10,000; no logit soft-caps; the whole head is rotated.
 #pragma once

@@ -69,6 +69,13 @@ struct attention_output {
 };
 
 /// How many tail tokens query i sees: base + per_query * (i + 1).
+///
+/// Example: one new token decoded with a tail that already holds it, the tail
+/// holding n tokens in all: the query sees the whole tail, {.base = n - 1,
+/// .per_query = 1} (visible(0) = n). Verifying k drafted tokens appended as the
+/// last k of an n-token tail, causally: query i sees the tail up to and including
+/// draft i, {.base = n - k, .per_query = 1} (visible(i) = n - k + i + 1). A
+/// prompt-only call with no tail: {.base = 0, .per_query = 0}.
 struct tail_visibility {
   std::int64_t base = 0;
   std::int64_t per_query = 1;

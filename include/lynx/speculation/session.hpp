@@ -1,4 +1,4 @@
-// The progressive decode session: the state machine of DESIGN.md.
+// The progressive decode session, a state machine:
 //
 //   waiting for anchor -> drafting (up to max_draft tokens on the current precision level,
 //   or up to max_draft_in_flight while the residual is in flight)

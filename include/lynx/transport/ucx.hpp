@@ -2,8 +2,8 @@
 // libucx-dev). Optional: this header is empty unless <ucp/api/ucp.h> is found,
 // and a program using it links ucp and ucs (CMake target lynx::ucx, which also
 // defines LYNX_WITH_UCX). One endpoint per lane, so an anchor never waits
-// behind residual bytes on one endpoint (TRANSPORT.md: a 256 MiB residual on
-// the same endpoint delayed anchors by ~44 ms on loopback).
+// behind residual bytes on one endpoint (measured on loopback: a 256 MiB
+// residual on the same endpoint delayed anchors by ~44 ms).
 //
 // The sender is the client (ucp_ep_create with UCP_EP_PARAMS_FLAGS_CLIENT_SERVER,
 // one endpoint per lane), the receiver the server (ucp_listener_create; an

@@ -24,8 +24,9 @@ namespace {
 constexpr int prompts = 20, committed_tokens = 64;
 
 const ll::weights* model() {
+  // Shipped with the sources (examples/models/README.md).
   static const std::filesystem::path path =
-      std::filesystem::path(LYNX_SHARED_DIR) / "models" / "stories260K.bin";
+      std::filesystem::path(LYNX_SOURCE_DIR) / "examples" / "models" / "stories260K.bin";
   static std::unique_ptr<ll::weights> w =
       std::filesystem::exists(path) ? std::make_unique<ll::weights>(path) : nullptr;
   return w.get();

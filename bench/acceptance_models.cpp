@@ -825,8 +825,15 @@ gemma_model& gemma() {
   return m;
 }
 
-std::unique_ptr<ll::weights> load_stories(const char* file) {
-  const auto path = std::filesystem::path(LYNX_SHARED_DIR) / "models" / file;
+// stories260K ships with the sources (examples/models/README.md); stories3M,
+// whose weights carry no licence, stays in the shared models folder.
+std::filesystem::path stories_dir(const std::string& name) {
+  return name == "stories260K" ? std::filesystem::path(LYNX_SOURCE_DIR) / "examples" / "models"
+                               : std::filesystem::path(LYNX_SHARED_DIR) / "models";
+}
+
+std::unique_ptr<ll::weights> load_stories(const std::string& name) {
+  const auto path = stories_dir(name) / (name + ".bin");
   return std::filesystem::exists(path) ? std::make_unique<ll::weights>(path) : nullptr;
 }
 
@@ -982,9 +989,10 @@ int main(int argc, char** argv) {
   std::vector<std::unique_ptr<study<stories_family>>> stories;
   for (const char* name : {"stories260K", "stories3M"}) {
     if (!listed(o.models, name)) continue;
-    auto w = load_stories(std::string(name) == "stories260K" ? "stories260K.bin" : "stories3M.bin");
+    auto w = load_stories(name);
     if (!w) {
-      std::fprintf(stderr, "%s: model not found in %s/models; skipped\n", name, LYNX_SHARED_DIR);
+      std::fprintf(stderr, "%s: model not found in %s; skipped\n", name,
+                   stories_dir(name).string().c_str());
       continue;
     }
     auto s = std::make_unique<study<stories_family>>();

@@ -12,7 +12,9 @@
 //        [--seed 1] [--temperature 0]
 //        [--prompt TEXT | --prompt-file FILE] [--if-missing fail|skip]
 // With no --model it runs on a small deterministic built-in model, with a
-// prompt sampled from it (--seed). A GGUF model (by its .gguf extension or its
+// prompt sampled from it (--seed). The repository ships one real llama2.c
+// model: --model examples/models/stories260K.bin --tokenizer
+// examples/models/tok512.bin. A GGUF model (by its .gguf extension or its
 // magic; @gemma3: the Gemma-3-270M file where cmake/fetch_gemma3.sh puts it,
 // $LYNX_GEMMA3_GGUF first) runs on the Gemma-3 engine with its own tokenizer:
 // the prompt is --prompt's text, --prompt-file's, or a built-in paragraph,

@@ -2,7 +2,7 @@
 // weights (loaded from a checkpoint file or generated deterministically from a
 // seed), and a writer so a generated model can round-trip through the file format.
 //
-// File format (see shared/models/README.md): 7 x int32 header, then float32
+// File format (llama2.c checkpoints): 7 x int32 header, then float32
 // tensors in checkpoint order, then seq_len * head_size floats of legacy RoPE
 // tables (skipped), then the classifier [vocab, dim] only when the header's
 // vocab_size is negative (classifier not shared with the embedding).

@@ -18,36 +18,21 @@
 #include <string>
 #include <vector>
 
-#ifndef LYNX_SHARED_DIR
-#error "LYNX_SHARED_DIR must name the shared folder holding models/"
-#endif
+#include "../support/real_model.hpp"
 
 namespace ll = lynx_examples::llama2c;
 
 namespace {
 
-const std::filesystem::path models_dir = std::filesystem::path(LYNX_SHARED_DIR) / "models";
-const std::filesystem::path model_path = models_dir / "stories260K.bin";
-const std::filesystem::path tokenizer_path = models_dir / "tok512.bin";
+// The real model (stories260K and tok512, shipped in examples/models; see
+// support/real_model.hpp): a case that needs it and cannot find it is reported
+// skipped, after the cases that need no model have run.
+bool real_model_available() { return lynx_tests::model_or_skip(); }
 
-// The real model, or nothing when it is absent outside CI (a missing model in
-// CI is a failure, not a skip).
-bool real_model_available() {
-  if (std::filesystem::exists(model_path) && std::filesystem::exists(tokenizer_path)) return true;
-  if (std::getenv("CI") != nullptr) {
-    FAIL("CI is set but the model is missing: " << model_path << " / " << tokenizer_path);
-  }
-  MESSAGE("skipping: " << model_path << " not found");
-  return false;
-}
-
-const ll::weights& real_model() {
-  static const ll::weights w(model_path);
-  return w;
-}
+const ll::weights& real_model() { return *lynx_tests::real_model(); }
 
 const ll::tokenizer& real_tokenizer() {
-  static const ll::tokenizer t(tokenizer_path, real_model().cfg().vocab_size);
+  static const ll::tokenizer t(lynx_tests::tokenizer_path(), real_model().cfg().vocab_size);
   return t;
 }
 
@@ -261,7 +246,8 @@ TEST_CASE("checkpoint errors are clear") {
   CHECK_THROWS_WITH_AS(ll::weights{temp_file("missing.bin")}, doctest::Contains("cannot open"),
                        std::runtime_error);
 
-  if (std::filesystem::exists(model_path)) {
+  if (real_model_available()) {
+    const std::filesystem::path model_path = lynx_tests::model_path();
     std::vector<char> real(static_cast<std::size_t>(std::filesystem::file_size(model_path)));
     std::ifstream(model_path, std::ios::binary)
         .read(real.data(), static_cast<std::streamsize>(real.size()));
@@ -284,9 +270,8 @@ TEST_CASE("real model: batch invariance, prefill consistency, rollback") {
 }
 
 // True when common English encodes without byte fallback: the tokenizer fits
-// a TinyStories model. (The tok512.bin shipped in shared/models at the time of
-// writing is a chess-FEN vocabulary, not stories260K's, so its text is not
-// English; the checks that need real text run only when the pair matches.)
+// a TinyStories model (a tokenizer of another vocabulary with 512 entries also
+// loads, but its pieces are not English).
 bool tokenizer_speaks_english(const ll::tokenizer& tok) {
   for (const int id : tok.encode("Once upon a time there was a little girl", false))
     if (id >= ll::tokenizer::first_byte_token && id < ll::tokenizer::first_byte_token + 256)
@@ -298,10 +283,10 @@ TEST_CASE("real model: greedy generation is deterministic and varied") {
   if (!real_model_available()) return;
   const ll::weights& w = real_model();
   const ll::tokenizer& tok = real_tokenizer();
-  const bool english = tokenizer_speaks_english(tok);
+  REQUIRE_MESSAGE(tokenizer_speaks_english(tok), lynx_tests::tokenizer_path()
+                                                     << " is not stories260K's tokenizer");
   const std::vector<int> prompt =
-      english ? tok.encode("Once upon a time, there was a little girl named Lily.")
-              : ll::sample_prompt(w, 8, 200);
+      tok.encode("Once upon a time, there was a little girl named Lily.");
   ll::engine<> a(w), b(w);
   const std::vector<int> first = ll::generate_greedy(a, prompt, 64);
   const std::vector<int> second = ll::generate_greedy(b, prompt, 64);
@@ -313,18 +298,12 @@ TEST_CASE("real model: greedy generation is deterministic and varied") {
   const std::string text = tok.decode(shown);
   MESSAGE("stories260K greedy, 40 tokens after the prompt: " << ids << "\ntext: \"" << text
                                                              << "\"");
-  if (english) {
-    int letters = 0;
-    for (const char ch : text) {
-      CHECK((std::isprint(static_cast<unsigned char>(ch)) || ch == '\n'));
-      letters += std::isalpha(static_cast<unsigned char>(ch)) ? 1 : 0;
-    }
-    CHECK(letters > static_cast<int>(text.size()) / 2);
-  } else {
-    MESSAGE(
-        "tok512.bin does not match stories260K (English falls back to bytes): "
-        "story-text checks skipped");
+  int letters = 0;
+  for (const char ch : text) {
+    CHECK((std::isprint(static_cast<unsigned char>(ch)) || ch == '\n'));
+    letters += std::isalpha(static_cast<unsigned char>(ch)) ? 1 : 0;
   }
+  CHECK(letters > static_cast<int>(text.size()) / 2);
   // Sampled prompts are varied and deterministic in the seed.
   const std::vector<int> p1 = ll::sample_prompt(w, 3, 200), p2 = ll::sample_prompt(w, 3, 200);
   CHECK(p1 == p2);

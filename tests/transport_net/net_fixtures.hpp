@@ -23,6 +23,15 @@
 #include <lynx/transport/concepts.hpp>
 #include <lynx/transport/scheduler.hpp>
 
+#if defined(LYNX_WITH_UCX) && __has_include(<ucp/api/ucp.h>)
+#include <cstdlib>
+#include <string>
+
+#include <lynx/transport/ucx.hpp>
+
+#include "../support/skip.hpp"
+#endif
+
 namespace lynx::test {
 
 using namespace std::chrono_literals;
@@ -173,5 +182,51 @@ arrival deliver(std::vector<host_bitplane_tensor<Plan>>& tensors, std::span<cons
   }
   return a;
 }
+
+#if defined(LYNX_WITH_UCX) && __has_include(<ucp/api/ucp.h>)
+/// Empty when UCX can listen on loopback over tcp here (UCX_TLS=tcp,
+/// UCX_NET_DEVICES=lo, as the UCX tests run it), else why not: some containers
+/// offer UCX no usable transport. Asked once per process, by a forked child,
+/// so that this process holds no UCX state when the tests fork their own
+/// UCX processes.
+inline const std::string& ucx_loopback_problem() {
+  static const std::string problem = []() -> std::string {
+    int fd[2] = {-1, -1};
+    if (::pipe(fd) != 0) return "pipe() failed";
+    child_process probe([&] {
+      ::setenv("UCX_TLS", "tcp", 1);
+      ::setenv("UCX_NET_DEVICES", "lo", 1);
+      try {
+        const ucx_receiver listener("127.0.0.1", 0);
+        return 0;
+      } catch (const std::exception& e) {
+        const std::string why = e.what();
+        (void)!::write(fd[1], why.data(), why.size());
+        return 1;
+      }
+    });
+    ::close(fd[1]);
+    const int status = probe.wait(std::chrono::steady_clock::now() + 20s);
+    std::string why;
+    char buffer[256];
+    if (status != -1)
+      for (ssize_t n; (n = ::read(fd[0], buffer, sizeof buffer)) > 0;)
+        why.append(buffer, static_cast<std::size_t>(n));
+    ::close(fd[0]);
+    if (status == 0) return "";
+    if (status == -1) return "creating a listener took more than 20 s";
+    return why.empty() ? "the probe process exited with " + std::to_string(status) : why;
+  }();
+  return problem;
+}
+
+/// True when UCX can listen on loopback here; otherwise records why the
+/// calling case is skipped (support/skip.hpp) and returns false.
+inline bool ucx_or_skip() {
+  if (ucx_loopback_problem().empty()) return true;
+  lynx_tests::skip_case("UCX cannot listen on loopback here: " + ucx_loopback_problem());
+  return false;
+}
+#endif
 
 }  // namespace lynx::test

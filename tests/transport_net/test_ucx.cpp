@@ -4,11 +4,11 @@
 // corrupted segment rejected by the tensors, a sender killed mid-residual and a
 // receiver killed mid-request (peer_failure within the deadline on the other
 // side), residual sends held back until the anchors are delivered. Built only with UCX (target
-// lynx::ucx defines LYNX_WITH_UCX); without it, or when UCX cannot start here, the test says
-// SKIPPED and why.
+// lynx::ucx defines LYNX_WITH_UCX). Without it, or where UCX cannot listen on loopback, ctest
+// reports the test skipped (exit status 77, support/skip.hpp) and it prints why.
 #include <doctest/doctest.h>
 
-#include <cstdio>
+#include "../support/skip.hpp"
 
 #if __has_include(<ucp/api/ucp.h>) && defined(LYNX_WITH_UCX)
 
@@ -72,14 +72,13 @@ struct port_pipe {
   }
 };
 
-/// A receiver listening on loopback, or the reason UCX cannot run here.
-std::unique_ptr<lynx::ucx_receiver> listen_or_skip(std::string& why) {
-  try {
-    return std::make_unique<lynx::ucx_receiver>("127.0.0.1", 0);
-  } catch (const lynx::error& e) {
-    why = e.what();
-    return nullptr;
-  }
+// Every case needs a UCX listener on loopback, so each first asks
+// lynx::test::ucx_or_skip() whether UCX can listen here (one forked probe per
+// run, net_fixtures.hpp): where it cannot, every case is skipped and ctest
+// reports the executable skipped. Where it can, a listener that then fails to
+// start is a failure, not a skip.
+std::unique_ptr<lynx::ucx_receiver> listen_on_loopback() {
+  return std::make_unique<lynx::ucx_receiver>("127.0.0.1", 0);
 }
 
 }  // namespace
@@ -88,6 +87,7 @@ TEST_CASE(
     "ucx, two processes: every layer through the scheduler; stale and corrupted segments rejected; "
     "merge equals quantize") {
   ::alarm(120);
+  if (!lynx::test::ucx_or_skip()) return;
   use_loopback_tcp();
   constexpr int layers = 8;
   constexpr std::uint64_t generation = 9;
@@ -100,12 +100,7 @@ TEST_CASE(
     return lynx::test::send_request<plan>(s, shape, layers, seed, generation, 2 * residual_bytes(),
                                           /*stale_layers=*/1);
   });
-  std::string why;
-  auto receiver = listen_or_skip(why);
-  if (!receiver) {
-    std::printf("SKIPPED: UCX cannot listen on loopback here: %s\n", why.c_str());
-    return;
-  }
+  auto receiver = listen_on_loopback();
   pipe.put(receiver->port());
   receiver->accept(in(10s));
   CHECK(receiver->lane_count() == 2);
@@ -156,6 +151,7 @@ TEST_CASE(
     "ucx, two processes: the sender killed mid-residual is reported as peer_failure within the "
     "deadline") {
   ::alarm(120);
+  if (!lynx::test::ucx_or_skip()) return;
   use_loopback_tcp();
   constexpr int layers = 6;
   port_pipe pipe;
@@ -165,12 +161,7 @@ TEST_CASE(
     lynx::ucx_sender s("127.0.0.1", *port, in(10s));
     return lynx::test::send_request<plan>(s, shape, layers, seed, 1, residual_bytes());
   });
-  std::string why;
-  auto receiver = listen_or_skip(why);
-  if (!receiver) {
-    std::printf("SKIPPED: UCX cannot listen on loopback here: %s\n", why.c_str());
-    return;
-  }
+  auto receiver = listen_on_loopback();
   pipe.put(receiver->port());
   receiver->accept(in(10s));
   int received = 0, anchors = 0, residuals = 0;
@@ -203,6 +194,7 @@ TEST_CASE(
     "ucx, two processes: the receiver killed mid-request is reported to the sender's scheduler as "
     "peer_failure") {
   ::alarm(120);
+  if (!lynx::test::ucx_or_skip()) return;
   use_loopback_tcp();
   constexpr int layers = 6;
   port_pipe pipe;
@@ -225,11 +217,8 @@ TEST_CASE(
     return 2;
   });
   const auto port = pipe.get(in(20s));
-  if (!port) {
-    std::printf("SKIPPED: the UCX receiver process could not listen on loopback (exit %d)\n",
-                receiver_process.wait(in(5s)));
-    return;
-  }
+  REQUIRE_MESSAGE(port.has_value(), "the UCX receiver process did not listen (exit "
+                                        << receiver_process.wait(in(5s)) << ")");
   std::vector<lynx::encoded_layer<plan>> encoded;
   for (int l = 0; l < layers; ++l)
     encoded.push_back(
@@ -258,6 +247,7 @@ TEST_CASE(
     "ucx, two processes: a residual send is handed to UCX only once every anchor posted before it "
     "was delivered (anchor_first_posts)") {
   ::alarm(120);
+  if (!lynx::test::ucx_or_skip()) return;
   use_loopback_tcp();
   constexpr int layers = 8;
   constexpr lynx::kv_shape small{32, 1, 64};  // segments of a few KB: sent eagerly
@@ -271,12 +261,7 @@ TEST_CASE(
         layers * lynx::segment_bytes(lynx::make_geometry<plan, 32>(small), 1);
     return lynx::test::send_request<plan>(s, small, layers, seed, 1, window);
   });
-  std::string why;
-  auto receiver = listen_or_skip(why);
-  if (!receiver) {
-    std::printf("SKIPPED: UCX cannot listen on loopback here: %s\n", why.c_str());
-    return;
-  }
+  auto receiver = listen_on_loopback();
   pipe.put(receiver->port());
   receiver->accept(in(10s));
   // The last anchor's ack leaves inside the try_receive that hands it out; a
@@ -309,9 +294,9 @@ TEST_CASE(
 #else
 
 TEST_CASE("ucx transport tests") {
-  std::printf(
-      "SKIPPED: built without UCX (needs <ucp/api/ucp.h> and the lynx::ucx target, which defines "
-      "LYNX_WITH_UCX)\n");
+  lynx_tests::skip_case(
+      "built without UCX (needs <ucp/api/ucp.h> and the lynx::ucx target, which defines "
+      "LYNX_WITH_UCX)");
 }
 
 #endif

@@ -2,8 +2,8 @@
 // (plan, group size) pair, or of the dense prompts. CMake compiles this file once
 // per pair (LYNX_KERNELS_PLAN, LYNX_KERNELS_G) and once with LYNX_KERNELS_DENSE,
 // so the pairs build in parallel.
-#include "lynx/attention/decode_attention.hpp"
 #include "lynx/kernels/instances.hpp"
+#include "lynx/attention/decode_attention.hpp"
 #include "lynx/planes/codec.hpp"
 
 #if defined(LYNX_KERNELS_DENSE)

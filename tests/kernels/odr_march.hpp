@@ -23,9 +23,9 @@ std::vector<std::byte> odr_march_run() {
     k[i] = static_cast<float>(static_cast<int>(i * 2654435761u % 2001u) - 1000) / 300.0f;
     v[i] = static_cast<float>(static_cast<int>(i * 40503u % 1777u) - 888) / 250.0f;
   }
-  const auto layer = lynx::encode<plan, 32, float>(
-      lynx::token_major<const float>(k.data(), shape), lynx::token_major<const float>(v.data(), shape),
-      0);
+  const auto layer =
+      lynx::encode<plan, 32, float>(lynx::token_major<const float>(k.data(), shape),
+                                    lynx::token_major<const float>(v.data(), shape), 0);
   std::vector<std::byte> bytes;
   lynx::bitplane_tensor<plan, 32, lynx::host_space> tensor(shape, 0);
   for (int s = 0; s < plan::streams; ++s) {

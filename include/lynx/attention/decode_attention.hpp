@@ -47,6 +47,7 @@
 #include "lynx/backend/host/parallel.hpp"
 #include "lynx/core/buffer.hpp"
 #include "lynx/core/error.hpp"
+#include "lynx/core/executor.hpp"
 #include "lynx/core/types.hpp"
 #include "lynx/core/view.hpp"
 #include "lynx/planes/tensor.hpp"
@@ -107,6 +108,7 @@ enum class attention_path : std::uint8_t {
 struct attention_options {
   int threads = 1;  // <= 0: all hardware threads
   attention_path path = attention_path::automatic;
+  task_executor* executor = nullptr;  // the engine's workers run the threads' shares (optional)
 };
 
 /// The shape facts a workspace is sized by.
@@ -361,76 +363,80 @@ class decode_attention {
     constexpr bool split_fastest = requires { prompt_src->view; };
     const std::int64_t items = q.count * chunks * splits;
     const std::int64_t stride_g = splits * heads * stride_state;  // between kv heads' states
-    detail::parallel_for(threads, threads, [&](std::int64_t w0, std::int64_t w1) {
-      for (std::int64_t worker = w0; worker < w1; ++worker) {
-        const detail::split_scratch w =
-            detail::carve_scratch(scratch_base + worker * per_thread, heads, D, p.value_groups, gk);
-        const std::int64_t i0 = items * worker / threads, i1 = items * (worker + 1) / threads;
-        for (std::int64_t item = i0; item < i1; ++item) {
-          const std::int64_t i = item / (chunks * splits);
-          const std::int64_t s = split_fastest ? item % splits : (item / chunks) % splits;
-          const std::int64_t c = split_fastest ? (item / splits) % chunks : item % chunks;
-          const std::int64_t g0 = c * gk, gn = std::min(gk, p.kv_heads - g0);
-          float* state0 = partials + ((i * p.kv_heads + g0) * splits + s) * heads * stride_state;
-          const std::int64_t visible = vis(i);
-          const std::int64_t qpos = p.prompt_tokens + visible - 1;
-          const std::int64_t first_pos = window > 0 ? qpos - window + 1 : 0;
-          const float* qrow = q.data + (i * q.q_heads + g0 * heads) * D;
-          float* qsc = w.queries;  // [gn][heads][D]
-          for (std::int64_t k = 0; k < gn * heads * D; ++k) qsc[k] = qrow[k] * qscale;
-          std::int64_t t0, t1, first_visible;
-          const bool in_prompt = s < prompt_splits;
-          if (in_prompt) {
-            t0 = s * attention_split_tokens;
-            t1 = std::min(p.prompt_tokens, t0 + attention_split_tokens);
-            first_visible = first_pos;
-          } else {
-            t0 = (s - prompt_splits) * attention_split_tokens;
-            t1 = std::min(visible, t0 + attention_split_tokens);
-            first_visible = first_pos - p.prompt_tokens;
-          }
-          if (t1 <= t0 || first_visible >= t1) {
-            for (std::int64_t j = 0; j < gn; ++j)
-              for (int h = 0; h < heads; ++h) {
-                state0[j * stride_g + h] = attention_neg_inf;
-                state0[j * stride_g + heads + h] = 0.0f;
+    detail::parallel_for(
+        threads, threads,
+        [&](std::int64_t w0, std::int64_t w1) {
+          for (std::int64_t worker = w0; worker < w1; ++worker) {
+            const detail::split_scratch w = detail::carve_scratch(
+                scratch_base + worker * per_thread, heads, D, p.value_groups, gk);
+            const std::int64_t i0 = items * worker / threads, i1 = items * (worker + 1) / threads;
+            for (std::int64_t item = i0; item < i1; ++item) {
+              const std::int64_t i = item / (chunks * splits);
+              const std::int64_t s = split_fastest ? item % splits : (item / chunks) % splits;
+              const std::int64_t c = split_fastest ? (item / splits) % chunks : item % chunks;
+              const std::int64_t g0 = c * gk, gn = std::min(gk, p.kv_heads - g0);
+              float* state0 =
+                  partials + ((i * p.kv_heads + g0) * splits + s) * heads * stride_state;
+              const std::int64_t visible = vis(i);
+              const std::int64_t qpos = p.prompt_tokens + visible - 1;
+              const std::int64_t first_pos = window > 0 ? qpos - window + 1 : 0;
+              const float* qrow = q.data + (i * q.q_heads + g0 * heads) * D;
+              float* qsc = w.queries;  // [gn][heads][D]
+              for (std::int64_t k = 0; k < gn * heads * D; ++k) qsc[k] = qrow[k] * qscale;
+              std::int64_t t0, t1, first_visible;
+              const bool in_prompt = s < prompt_splits;
+              if (in_prompt) {
+                t0 = s * attention_split_tokens;
+                t1 = std::min(p.prompt_tokens, t0 + attention_split_tokens);
+                first_visible = first_pos;
+              } else {
+                t0 = (s - prompt_splits) * attention_split_tokens;
+                t1 = std::min(visible, t0 + attention_split_tokens);
+                first_visible = first_pos - p.prompt_tokens;
               }
-            continue;
-          }
+              if (t1 <= t0 || first_visible >= t1) {
+                for (std::int64_t j = 0; j < gn; ++j)
+                  for (int h = 0; h < heads; ++h) {
+                    state0[j * stride_g + h] = attention_neg_inf;
+                    state0[j * stride_g + heads + h] = 0.0f;
+                  }
+                continue;
+              }
 #if LYNX_ATTENTION_AVX512
-          if constexpr (std::is_same_v<Source, detail::dense_kv_source<bf16>>) {
-            if (in_prompt && gk > 1) {
-              detail::compute_split_heads(*prompt_src, g0, static_cast<int>(gn), qsc, heads, t0, t1,
-                                          first_visible, variant, w, state0, stride_g);
-              continue;
-            }
-          }
-#endif
-          for (std::int64_t j = 0; j < gn; ++j) {
-            const std::int64_t g = g0 + j;
-            float* state = state0 + j * stride_g;
-            float* m = state;                // [heads]
-            float* l = state + heads;        // [heads]
-            float* acc = state + 2 * heads;  // [heads][D]
-            const float* qg = qsc + j * heads * D;
-            if (in_prompt) {
-              detail::next_split next{};  // the prompt split this worker walks next, if any
-              if constexpr (split_fastest) {
-                const std::int64_t s2 = (item + 1) % splits;
-                if (item + 1 < i1 && s2 < prompt_splits)  // kv head of the next item
-                  next = {((item + 1) / splits) % chunks, s2 * attention_split_tokens,
-                          std::min(p.prompt_tokens, (s2 + 1) * attention_split_tokens)};
+              if constexpr (std::is_same_v<Source, detail::dense_kv_source<bf16>>) {
+                if (in_prompt && gk > 1) {
+                  detail::compute_split_heads(*prompt_src, g0, static_cast<int>(gn), qsc, heads, t0,
+                                              t1, first_visible, variant, w, state0, stride_g);
+                  continue;
+                }
               }
-              detail::compute_split(*prompt_src, g, qg, heads, t0, t1, first_visible, variant,
-                                    prompt_walk, w, m, l, acc, next);
-            } else {
-              detail::compute_split(tail, g, qg, heads, t0, t1, first_visible, variant, tail_walk,
-                                    w, m, l, acc);
+#endif
+              for (std::int64_t j = 0; j < gn; ++j) {
+                const std::int64_t g = g0 + j;
+                float* state = state0 + j * stride_g;
+                float* m = state;                // [heads]
+                float* l = state + heads;        // [heads]
+                float* acc = state + 2 * heads;  // [heads][D]
+                const float* qg = qsc + j * heads * D;
+                if (in_prompt) {
+                  detail::next_split next{};  // the prompt split this worker walks next, if any
+                  if constexpr (split_fastest) {
+                    const std::int64_t s2 = (item + 1) % splits;
+                    if (item + 1 < i1 && s2 < prompt_splits)  // kv head of the next item
+                      next = {((item + 1) / splits) % chunks, s2 * attention_split_tokens,
+                              std::min(p.prompt_tokens, (s2 + 1) * attention_split_tokens)};
+                  }
+                  detail::compute_split(*prompt_src, g, qg, heads, t0, t1, first_visible, variant,
+                                        prompt_walk, w, m, l, acc, next);
+                } else {
+                  detail::compute_split(tail, g, qg, heads, t0, t1, first_visible, variant,
+                                        tail_walk, w, m, l, acc);
+                }
+              }
             }
           }
-        }
-      }
-    });
+        },
+        options.executor);
     // combine in context order: prompt splits, then tail splits
     std::int64_t first_bad = -1;  // (query, q head) of the first output that is not finite
     for (std::int64_t i = 0; i < q.count; ++i)

@@ -19,43 +19,44 @@
 
 /// decode_attention<default_variant> over bitplane_view<PLAN, G> and
 /// code_view<PLAN, G> prompts, float and bf16 tails.
-#define LYNX_KERNELS_ATTENTION_CALL(EXT, TAIL, ...)                                              \
-  EXT template void ::lynx::decode_attention<::lynx::default_variant>::operator()<__VA_ARGS__,   \
-                                                                                  TAIL>(         \
-      const __VA_ARGS__&, ::lynx::kv_view<const TAIL, ::lynx::host_space>,                       \
-      ::lynx::kv_view<const TAIL, ::lynx::host_space>, const ::lynx::attention_queries&,         \
-      ::lynx::tail_visibility, ::lynx::attention_output, ::lynx::attention_workspace&,           \
+#define LYNX_KERNELS_ATTENTION_CALL(EXT, TAIL, ...)                                            \
+  EXT template void ::lynx::decode_attention<::lynx::default_variant>::operator()<__VA_ARGS__, \
+                                                                                  TAIL>(       \
+      const __VA_ARGS__&, ::lynx::kv_view<const TAIL, ::lynx::host_space>,                     \
+      ::lynx::kv_view<const TAIL, ::lynx::host_space>, const ::lynx::attention_queries&,       \
+      ::lynx::tail_visibility, ::lynx::attention_output, ::lynx::attention_workspace&,         \
       const ::lynx::attention_options&) const;
 
-#define LYNX_KERNELS_ATTENTION_PLANES(EXT, PLAN, G)                                           \
-  LYNX_KERNELS_ATTENTION_CALL(EXT, float, ::lynx::bitplane_view<::lynx::PLAN, G, ::lynx::host_space>) \
-  LYNX_KERNELS_ATTENTION_CALL(EXT, ::lynx::bf16,                                              \
-                              ::lynx::bitplane_view<::lynx::PLAN, G, ::lynx::host_space>)     \
-  LYNX_KERNELS_ATTENTION_CALL(EXT, float, ::lynx::code_view<::lynx::PLAN, G>)                 \
+#define LYNX_KERNELS_ATTENTION_PLANES(EXT, PLAN, G)                                       \
+  LYNX_KERNELS_ATTENTION_CALL(EXT, float,                                                 \
+                              ::lynx::bitplane_view<::lynx::PLAN, G, ::lynx::host_space>) \
+  LYNX_KERNELS_ATTENTION_CALL(EXT, ::lynx::bf16,                                          \
+                              ::lynx::bitplane_view<::lynx::PLAN, G, ::lynx::host_space>) \
+  LYNX_KERNELS_ATTENTION_CALL(EXT, float, ::lynx::code_view<::lynx::PLAN, G>)             \
   LYNX_KERNELS_ATTENTION_CALL(EXT, ::lynx::bf16, ::lynx::code_view<::lynx::PLAN, G>)
 
 /// decode_attention<default_variant> over no prompt and dense float / bf16 prompts
 /// (the 16-bit baselines), float and bf16 tails.
-#define LYNX_KERNELS_ATTENTION_DENSE_TAIL(EXT, TAIL)                                 \
-  LYNX_KERNELS_ATTENTION_CALL(EXT, TAIL, ::lynx::no_prompt)                          \
-  LYNX_KERNELS_ATTENTION_CALL(EXT, TAIL, ::lynx::dense_prompt<float>)                \
+#define LYNX_KERNELS_ATTENTION_DENSE_TAIL(EXT, TAIL)                  \
+  LYNX_KERNELS_ATTENTION_CALL(EXT, TAIL, ::lynx::no_prompt)           \
+  LYNX_KERNELS_ATTENTION_CALL(EXT, TAIL, ::lynx::dense_prompt<float>) \
   LYNX_KERNELS_ATTENTION_CALL(EXT, TAIL, ::lynx::dense_prompt<::lynx::bf16>)
-#define LYNX_KERNELS_ATTENTION_DENSE(EXT)          \
-  LYNX_KERNELS_ATTENTION_DENSE_TAIL(EXT, float)    \
+#define LYNX_KERNELS_ATTENTION_DENSE(EXT)       \
+  LYNX_KERNELS_ATTENTION_DENSE_TAIL(EXT, float) \
   LYNX_KERNELS_ATTENTION_DENSE_TAIL(EXT, ::lynx::bf16)
 
 /// encode_into and reconstruct (of a view) for one element type.
 #define LYNX_KERNELS_CODEC_TYPE(EXT, PLAN, G, T)                                                  \
-  EXT template void ::lynx::encode_into<::lynx::PLAN, G, T>(                                     \
+  EXT template void ::lynx::encode_into<::lynx::PLAN, G, T>(                                      \
       ::lynx::kv_view<const T, ::lynx::host_space>, ::lynx::kv_view<const T, ::lynx::host_space>, \
       std::uint32_t, std::span<const std::span<std::byte>>, const ::lynx::encode_options&);       \
-  EXT template void ::lynx::reconstruct<::lynx::PLAN, G, T>(                                     \
+  EXT template void ::lynx::reconstruct<::lynx::PLAN, G, T>(                                      \
       const ::lynx::bitplane_view<::lynx::PLAN, G, ::lynx::host_space>&,                          \
       ::lynx::kv_view<T, ::lynx::host_space>, ::lynx::kv_view<T, ::lynx::host_space>,             \
       const ::lynx::reconstruct_options&);
 
-#define LYNX_KERNELS_CODEC(EXT, PLAN, G)             \
-  LYNX_KERNELS_CODEC_TYPE(EXT, PLAN, G, float)       \
+#define LYNX_KERNELS_CODEC(EXT, PLAN, G)              \
+  LYNX_KERNELS_CODEC_TYPE(EXT, PLAN, G, float)        \
   LYNX_KERNELS_CODEC_TYPE(EXT, PLAN, G, ::lynx::bf16) \
   LYNX_KERNELS_CODEC_TYPE(EXT, PLAN, G, ::lynx::fp16)
 

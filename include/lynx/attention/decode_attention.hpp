@@ -5,10 +5,11 @@
 // bf16/float cache, the 16-bit baseline; or nothing) followed by a local
 // full-precision tail.
 //
-//   queries  [n_queries][q_heads][head_dim] float, positions prompt_tokens + tail_visible(i) - 1
-//   output   [n_queries][q_heads][head_dim] float;  lse [n_queries][q_heads] (natural log,
-//   optional) query i sees every prompt token and tail tokens [0, tail_visible(i)), tail_visible(i)
-//   = base + per_query * (i + 1)   (causal verification: per_query = 1)
+//   queries  [n_queries][q_heads][head_dim] float, bf16 or fp16, positions prompt_tokens +
+//            tail_visible(i) - 1
+//   output   [n_queries][q_heads][head_dim] float, bf16 or fp16;  lse [n_queries][q_heads] (natural
+//   log, optional) query i sees every prompt token and tail tokens [0, tail_visible(i)),
+//   tail_visible(i) = base + per_query * (i + 1)   (causal verification: per_query = 1)
 //
 // Batch invariance: each (query, kv head, split) partial state is a function of
 // that query and its context alone (fixed split size by context position, fixed
@@ -56,17 +57,40 @@
 namespace lynx {
 
 /// Queries of consecutive positions: data[i][h][c], [count][q_heads][head_dim].
+/// float queries in `data`, or bf16 / fp16 ones in `data_bf16` / `data_fp16`
+/// (exactly one set): they are widened to float exactly as they are read, so a
+/// call gives the bits of the same call on their float values.
 struct attention_queries {
   const float* data = nullptr;
   std::int64_t count = 0;
   std::int64_t q_heads = 0;
   std::int64_t head_dim = 0;
+  const bf16* data_bf16 = nullptr;
+  const fp16* data_fp16 = nullptr;
+
+  /// Element k of the queries as float.
+  [[nodiscard]] float at(std::int64_t k) const {
+    if (data != nullptr) return data[k];
+    return data_bf16 != nullptr ? to_float(data_bf16[k]) : to_float(data_fp16[k]);
+  }
+  /// How many of the three pointers are set.
+  [[nodiscard]] int sources() const {
+    return (data != nullptr) + (data_bf16 != nullptr) + (data_fp16 != nullptr);
+  }
 };
 
-/// Where results go: data [count][q_heads][head_dim]; lse [count][q_heads] or null.
+/// Where results go: data [count][q_heads][head_dim] (float, or bf16 / fp16 in
+/// data_bf16 / data_fp16: exactly one set, each the float result rounded to
+/// nearest even); lse [count][q_heads] or null.
 struct attention_output {
   float* data = nullptr;
   float* lse = nullptr;
+  bf16* data_bf16 = nullptr;
+  fp16* data_fp16 = nullptr;
+
+  [[nodiscard]] int sources() const {
+    return (data != nullptr) + (data_bf16 != nullptr) + (data_fp16 != nullptr);
+  }
 };
 
 /// How many tail tokens query i sees: base + per_query * (i + 1).
@@ -272,8 +296,11 @@ class decode_attention {
                    "attention: queries need q_heads >= 1 and head_dim >= 1, got count=" +
                        std::to_string(q.count) + " q_heads=" + std::to_string(q.q_heads) +
                        " head_dim=" + std::to_string(q.head_dim));
-    if (!(q.count == 0 || (q.data != nullptr && out.data != nullptr)))
-      detail::fail(errc::invalid_argument, "attention: null query or output data");
+    if (!(q.count == 0 || (q.sources() == 1 && out.sources() == 1)))
+      detail::fail(errc::invalid_argument,
+                   "attention: " + std::to_string(q.sources()) + " query and " +
+                       std::to_string(out.sources()) +
+                       " output pointers set; exactly one of each (data, data_bf16, data_fp16)");
     if constexpr (requires { prompt.geometry; }) {
       if (!(prompt.level >= 1))
         detail::fail(errc::invalid_argument, "attention: prompt layer " +
@@ -380,9 +407,12 @@ class decode_attention {
               const std::int64_t visible = vis(i);
               const std::int64_t qpos = p.prompt_tokens + visible - 1;
               const std::int64_t first_pos = window > 0 ? qpos - window + 1 : 0;
-              const float* qrow = q.data + (i * q.q_heads + g0 * heads) * D;
+              const std::int64_t q0 = (i * q.q_heads + g0 * heads) * D, qn = gn * heads * D;
               float* qsc = w.queries;  // [gn][heads][D]
-              for (std::int64_t k = 0; k < gn * heads * D; ++k) qsc[k] = qrow[k] * qscale;
+              if (q.data != nullptr)
+                for (std::int64_t k = 0; k < qn; ++k) qsc[k] = q.data[q0 + k] * qscale;
+              else
+                for (std::int64_t k = 0; k < qn; ++k) qsc[k] = q.at(q0 + k) * qscale;
               std::int64_t t0, t1, first_visible;
               const bool in_prompt = s < prompt_splits;
               if (in_prompt) {
@@ -438,11 +468,13 @@ class decode_attention {
         },
         options.executor);
     // combine in context order: prompt splits, then tail splits
-    std::int64_t first_bad = -1;  // (query, q head) of the first output that is not finite
+    std::int64_t first_bad = -1;      // (query, q head) of the first output that is not finite
+    float* const row = scratch_base;  // a bf16/fp16 output's float row (the workers are done)
     for (std::int64_t i = 0; i < q.count; ++i)
       for (std::int64_t g = 0; g < p.kv_heads; ++g)
         for (int h = 0; h < heads; ++h) {
-          float* o = out.data + (i * q.q_heads + g * heads + h) * D;
+          const std::int64_t at = (i * q.q_heads + g * heads + h) * D;
+          float* o = out.data != nullptr ? out.data + at : row;
           float mm = attention_neg_inf, ll = 0.0f;
           for (int c = 0; c < D; ++c) o[c] = 0.0f;
           for (std::int64_t s = 0; s < splits; ++s) {
@@ -455,6 +487,18 @@ class decode_attention {
           bool finite = true;
           for (int c = 0; c < D; ++c) finite &= is_finite_value(o[c] *= inv);
           if (!finite && first_bad < 0) first_bad = i * q.q_heads + g * heads + h;
+          if (out.data_bf16 != nullptr)
+            for (int c = 0; c < D; ++c) out.data_bf16[at + c] = bf16(o[c]);
+          if (out.data_fp16 != nullptr)
+            for (int c = 0; c < D; ++c) {
+              out.data_fp16[at + c] = fp16(o[c]);
+              if (finite && !is_finite_value(to_float(out.data_fp16[at + c])))
+                detail::fail(errc::invalid_argument,
+                             "attention: the output of query " + std::to_string(i) + ", head " +
+                                 std::to_string(g * heads + h) + " is " + std::to_string(o[c]) +
+                                 " at channel " + std::to_string(c) +
+                                 ", beyond fp16's range (65504): ask for float or bf16 output");
+            }
           if (out.lse)
             out.lse[i * q.q_heads + g * heads + h] = (mm + std::log2(ll)) * attention_ln2;
         }
@@ -487,12 +531,12 @@ class decode_attention {
       const attention_queries& q, tail_visibility vis, std::int64_t bad) {
     const std::int64_t i = bad / q.q_heads, h = bad % q.q_heads, g = h / p.group_heads();
     for (std::int64_t k = 0; k < q.count * q.q_heads * q.head_dim; ++k)
-      if (!is_finite_value(q.data[k]))
+      if (!is_finite_value(q.at(k)))
         detail::fail(errc::non_finite_input,
                      std::string("attention: query ") +
                          std::to_string(k / (q.q_heads * q.head_dim)) + ", head " +
                          std::to_string(k / q.head_dim % q.q_heads) + " holds " +
-                         (q.data[k] != q.data[k] ? "NaN" : "infinity") + " at channel " +
+                         (q.at(k) != q.at(k) ? "NaN" : "infinity") + " at channel " +
                          std::to_string(k % q.head_dim));
     const std::int64_t seen = std::min(vis(i), tk.shape.tokens);
     find_non_finite(tk, seen, g, "tail keys");

@@ -653,6 +653,11 @@ template <class TailT>
 void check_pointers(const kv_view<const TailT, device_space>& tk,
                     const kv_view<const TailT, device_space>& tv, const attention_queries& q,
                     const attention_output& out, const attention_launch_shape& s) {
+  lynx::detail::require(q.data_bf16 == nullptr && q.data_fp16 == nullptr &&
+                            out.data_bf16 == nullptr && out.data_fp16 == nullptr,
+                        errc::invalid_argument,
+                        "cuda attention: float queries and outputs only (bf16 and fp16 queries "
+                        "and outputs are host-only for now)");
   lynx::detail::require(q.count == 0 || (q.data != nullptr && out.data != nullptr),
                         errc::invalid_argument, "cuda attention: null query or output data");
   lynx::detail::require(s.max_tail_visible == 0 || (tk.data != nullptr && tv.data != nullptr),

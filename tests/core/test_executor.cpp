@@ -145,6 +145,43 @@ TEST_CASE("attention on an engine's pool: the bits of its own threads and of one
   CHECK(pool.runs == 1);
 }
 
+TEST_CASE("encode and reconstruct on an engine's pool: the bytes of their own threads") {
+  using plan = lynx::plan_16_4_12;
+  const lynx::kv_shape shape{1000, 4, 128};
+  std::vector<lynx::bf16> k(
+      static_cast<std::size_t>(shape.tokens * shape.kv_heads * shape.head_dim));
+  std::vector<lynx::bf16> v(k.size());
+  for (std::size_t i = 0; i < k.size(); ++i) {
+    k[i] =
+        lynx::bf16(static_cast<float>(static_cast<int>(i * 2654435761u % 2001u) - 1000) / 400.0f);
+    v[i] = lynx::bf16(static_cast<float>(static_cast<int>(i * 40503u % 1777u) - 888) / 300.0f);
+  }
+  fixed_pool pool(2);
+  const auto keys = lynx::token_major<const lynx::bf16>(k.data(), shape);
+  const auto values = lynx::token_major<const lynx::bf16>(v.data(), shape);
+  const auto alone = lynx::encode<plan, 32, lynx::bf16>(keys, values, 3, {.threads = 1});
+  const auto pooled =
+      lynx::encode<plan, 32, lynx::bf16>(keys, values, 3, {.threads = 4, .executor = &pool});
+  CHECK(pool.runs >= 1);
+  lynx::bitplane_tensor<plan, 32, lynx::host_space> tensor(shape, 3);
+  for (int s = 0; s < plan::streams; ++s) {
+    const auto a = alone.segment(s), b = pooled.segment(s);
+    REQUIRE(a.size() == b.size());
+    CHECK(std::memcmp(a.data(), b.data(), a.size()) == 0);
+    tensor.accept(a);
+  }
+  std::vector<lynx::bf16> k1(k.size()), v1(k.size()), k2(k.size()), v2(k.size());
+  const int before = pool.runs;
+  lynx::reconstruct(tensor.view(), lynx::token_major<lynx::bf16>(k1.data(), shape),
+                    lynx::token_major<lynx::bf16>(v1.data(), shape), {.threads = 1});
+  lynx::reconstruct(tensor.view(), lynx::token_major<lynx::bf16>(k2.data(), shape),
+                    lynx::token_major<lynx::bf16>(v2.data(), shape),
+                    {.threads = 3, .executor = &pool});
+  CHECK(pool.runs == before + 1);
+  CHECK(std::memcmp(k1.data(), k2.data(), k1.size() * 2) == 0);
+  CHECK(std::memcmp(v1.data(), v2.data(), v1.size() * 2) == 0);
+}
+
 TEST_CASE("parallel_for on an executor: every chunk once, the first exception rethrown") {
   fixed_pool pool(2);
   std::vector<std::atomic<int>> hits(1000);

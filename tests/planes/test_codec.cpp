@@ -663,6 +663,108 @@ TEST_CASE_TEMPLATE_DEFINE(
 }
 TEST_CASE_TEMPLATE_APPLY(codec_id, all_configs);
 
+// ---------------------------------------------------------------------------
+// Every kernel path of the host codecs against the portable one, in one binary
+// ---------------------------------------------------------------------------
+
+namespace {
+
+// Limits the host codecs to some of their kernels while in scope.
+class codec_kernels_scope {
+ public:
+  explicit codec_kernels_scope(lynx::detail::codec_kernels k) {
+    lynx::detail::codec_kernels_limit.store(k);
+  }
+  ~codec_kernels_scope() { lynx::detail::codec_kernels_limit.store(saved_); }
+  codec_kernels_scope(const codec_kernels_scope&) = delete;
+  codec_kernels_scope& operator=(const codec_kernels_scope&) = delete;
+
+ private:
+  lynx::detail::codec_kernels saved_ = lynx::detail::codec_kernels_limit.load();
+};
+
+const char* name_of(lynx::detail::codec_kernels k) {
+  switch (k) {
+    case lynx::detail::codec_kernels::best:
+      return "best";
+    case lynx::detail::codec_kernels::avx512_without_bf16:
+      return "AVX-512 without AVX512-BF16";
+    case lynx::detail::codec_kernels::portable:
+      return "portable";
+  }
+  return "?";
+}
+
+// What one kernel path gives for an input: the segments, and the K and V
+// reconstructed at every precision level into the input's element type and layout
+// (the whole storage, bytes between strided elements included).
+struct path_result {
+  std::vector<std::vector<std::byte>> segments;
+  std::vector<std::vector<std::byte>> keys, values;  // [level - 1]
+};
+
+template <class Plan, int G, class T>
+path_result run_path(lynx::detail::codec_kernels kernels, const layer_input<T>& in,
+                     layout_kind layout, std::uint32_t layer) {
+  const codec_kernels_scope scope(kernels);
+  path_result r;
+  const auto encoded = lynx::encode<Plan, G, T>(cview(in.keys), cview(in.values), layer, {7, 1});
+  for (int st = 0; st < Plan::streams; ++st) {
+    const auto segment = encoded.segment(st);
+    r.segments.emplace_back(segment.begin(), segment.end());
+  }
+  const auto tensor = receive_all(encoded, in.shape, layer, 7);
+  for (int level = 1; level <= Plan::streams; ++level) {
+    auto out = make_input<T>(in.shape, data_kind::constant, layout, 1);
+    lynx::reconstruct(tensor.view_at(level), out.keys, out.values);
+    const auto as_bytes = [](const std::vector<T>& v) {
+      const auto* p = reinterpret_cast<const std::byte*>(v.data());
+      return std::vector<std::byte>(p, p + v.size() * sizeof(T));
+    };
+    r.keys.push_back(as_bytes(out.key_store));
+    r.values.push_back(as_bytes(out.value_store));
+  }
+  return r;
+}
+
+}  // namespace
+
+TEST_CASE("the host codecs' kernels on this CPU") {
+  const std::string kernels =
+      !lynx::detail::use_avx512_codec() ? "portable only (the comparison of the paths below then "
+                                          "compares the portable kernels with themselves)"
+      : lynx::detail::use_avx512_bf16_codec() ? "AVX-512, with AVX512-BF16"
+                                              : "AVX-512, without AVX512-BF16";
+  MESSAGE("host codec kernels: " << kernels);
+  CHECK(lynx::detail::codec_kernels_limit.load() == lynx::detail::codec_kernels::best);
+}
+
+TEST_CASE_TEMPLATE_DEFINE("encode and reconstruct give the same bytes on every kernel path", C,
+                          paths_id) {
+  using Plan = typename C::plan;
+  using T = typename C::element;
+  constexpr int G = C::group;
+  std::uint32_t layer = 0;
+  for (const codec_case& cc : codec_cases) {
+    ++layer;
+    INFO("plan " << Plan::name() << ", " << lynx::element_name<T>() << ", G=" << G << ", shape "
+                 << lynx::to_string(cc.shape) << ", " << name_of(cc.kind) << ", "
+                 << name_of(cc.layout));
+    const auto in = make_input<T>(cc.shape, cc.kind, cc.layout, 77 * layer + G);
+    const path_result portable =
+        run_path<Plan, G>(lynx::detail::codec_kernels::portable, in, cc.layout, layer);
+    for (const auto kernels :
+         {lynx::detail::codec_kernels::best, lynx::detail::codec_kernels::avx512_without_bf16}) {
+      INFO("kernels: " << name_of(kernels));
+      const path_result r = run_path<Plan, G>(kernels, in, cc.layout, layer);
+      CHECK(r.segments == portable.segments);
+      CHECK(r.keys == portable.keys);
+      CHECK(r.values == portable.values);
+    }
+  }
+}
+TEST_CASE_TEMPLATE_APPLY(paths_id, all_configs);
+
 TEST_CASE_TEMPLATE_DEFINE("out-of-order and duplicate delivery give the same tensor as in-order", C,
                           order_id) {
   using Plan = typename C::plan;

@@ -115,14 +115,21 @@ TEST_CASE_TEMPLATE_DEFINE("golden checksums of the encoded segments", C, golden_
     CHECK(h.generation == golden::generation);
     CHECK(h.layer == golden::layer);
   }
-  // Any path to the same segments gives the same checksums: threads, split(quantize).
+  // Any path to the same segments gives the same checksums: threads, split(quantize),
+  // the portable kernels where the CPU runs the AVX-512 ones.
   const auto threaded =
       lynx::encode<Plan, G, T>(keys, values, golden::layer, {golden::generation, 2});
   const auto split = lynx::split<Plan, G>(lynx::quantize<Plan, G, T>(keys, values, golden::layer),
                                           golden::layer, golden::generation);
+  const auto kernels =
+      lynx::detail::codec_kernels_limit.exchange(lynx::detail::codec_kernels::portable);
+  const auto portable =
+      lynx::encode<Plan, G, T>(keys, values, golden::layer, {golden::generation, 1});
+  lynx::detail::codec_kernels_limit.store(kernels);
   for (int s = 0; s < Plan::streams; ++s) {
     CHECK(header_checksum(threaded.segment(s)) == entry->checksum[s]);
     CHECK(header_checksum(split.segment(s)) == entry->checksum[s]);
+    CHECK(header_checksum(portable.segment(s)) == entry->checksum[s]);
   }
 }
 TEST_CASE_TEMPLATE_APPLY(golden_id, golden_configs);

@@ -19,6 +19,7 @@
 #include "lynx/backend/host/simd_kernels.hpp"
 #include "lynx/core/buffer.hpp"
 #include "lynx/core/error.hpp"
+#include "lynx/core/executor.hpp"
 #include "lynx/core/types.hpp"
 #include "lynx/core/view.hpp"
 #include "lynx/planes/layout.hpp"
@@ -30,8 +31,9 @@
 namespace lynx {
 
 struct encode_options {
-  std::uint64_t generation = 0;  // request generation written into every header
-  int threads = 1;               // host threads; <= 0 means all hardware threads
+  std::uint64_t generation = 0;       // request generation written into every header
+  int threads = 1;                    // host threads; <= 0 means all hardware threads
+  task_executor* executor = nullptr;  // the engine's workers run the threads' shares (optional)
 };
 
 /// The segments of one layer, owned: segment(s) is what a transport sends.
@@ -160,10 +162,11 @@ void encode_into(kv_view<const T, host_space> keys, kv_view<const T, host_space>
   const std::int64_t key_params_per_head = g.key_token_groups() * D;
   const std::int64_t value_params_per_head = g.tokens * g.value_channel_groups();
 
-#if LYNX_HOST_AVX512
-  // Vector path: one pass per (head, unit of whole blocks and key groups). On
-  // non-finite input it gives way to the portable path below, which reports it.
-  if (detail::simd::encode_supported(keys, values, g)) {
+#if LYNX_CODEC_AVX512
+  // Vector path, where the CPU runs it: one pass per (head, unit of whole blocks
+  // and key groups). On non-finite input it gives way to the portable path below,
+  // which reports it.
+  if (detail::use_avx512_codec() && detail::simd::encode_supported(keys, values, g)) {
     std::array<int, 16> plane_stream{}, plane_local{};
     for (int s = 0, j = 0; s < Plan::streams; ++s)
       for (int jl = 0; jl < g.planes_in(s); ++jl, ++j)
@@ -183,7 +186,8 @@ void encode_into(kv_view<const T, host_space> keys, kv_view<const T, host_space>
       // Unit-major, head inner: consecutive items read neighbouring bytes of the same
       // token rows (token-major caches), and the next unit's rows are prefetched.
       detail::parallel_for(
-          options.threads, g.kv_heads * units, [&](std::int64_t i0, std::int64_t i1) {
+          options.threads, g.kv_heads * units,
+          [&](std::int64_t i0, std::int64_t i1) {
             detail::simd::encode_scratch scratch;
             scratch.size_for(g);
             std::int64_t segment_total = 0;
@@ -214,7 +218,8 @@ void encode_into(kv_view<const T, host_space> keys, kv_view<const T, host_space>
             }
             _mm_sfence();  // order any non-temporal stores of plane words before the join and the
                            // checksums
-          });
+          },
+          options.executor);
     } catch (const detail::simd::needs_portable_path&) {
       vector_path_done = false;
     }
@@ -227,34 +232,40 @@ void encode_into(kv_view<const T, host_space> keys, kv_view<const T, host_space>
 #endif
 
   // Phase 1: key parameters need whole token groups, which may span blocks.
-  detail::parallel_for(options.threads, g.kv_heads, [&](std::int64_t h0, std::int64_t h1) {
-    std::vector<float> lo, hi;
-    for (std::int64_t h = h0; h < h1; ++h)
-      detail::key_params_for_head<B>(keys, g, layer, h, key_scale + h * key_params_per_head,
-                                     key_zero + h * key_params_per_head, lo, hi);
-  });
+  detail::parallel_for(
+      options.threads, g.kv_heads,
+      [&](std::int64_t h0, std::int64_t h1) {
+        std::vector<float> lo, hi;
+        for (std::int64_t h = h0; h < h1; ++h)
+          detail::key_params_for_head<B>(keys, g, layer, h, key_scale + h * key_params_per_head,
+                                         key_zero + h * key_params_per_head, lo, hi);
+      },
+      options.executor);
   // Phase 2: every (head, block) independently: quantize to a code tile, pack, scatter.
   const std::int64_t blocks = g.blocks();
-  detail::parallel_for(options.threads, g.kv_heads * blocks, [&](std::int64_t i0, std::int64_t i1) {
-    std::vector<std::uint16_t> codes(static_cast<std::size_t>(tokens_per_word * D));
-    std::vector<std::uint32_t> packed(static_cast<std::size_t>(B * D));
-    std::vector<float> scratch(static_cast<std::size_t>(D));
-    for (std::int64_t i = i0; i < i1; ++i) {
-      const std::int64_t h = i / blocks, b = i % blocks;
-      const std::int64_t t0 = b * tokens_per_word,
-                         n = std::min<std::int64_t>(tokens_per_word, g.tokens - t0);
-      detail::quantize_key_block<B>(keys, g, h, t0, n, key_scale + h * key_params_per_head,
-                                    key_zero + h * key_params_per_head, codes.data(),
-                                    scratch.data());
-      detail::pack_block<B>(codes.data(), n, D, packed.data());
-      detail::scatter_planes(g, packed.data(), h, b, true, out);
-      detail::quantize_value_block<B>(
-          values, g, layer, h, t0, n, value_scale + h * value_params_per_head,
-          value_zero + h * value_params_per_head, codes.data(), scratch.data());
-      detail::pack_block<B>(codes.data(), n, D, packed.data());
-      detail::scatter_planes(g, packed.data(), h, b, false, out);
-    }
-  });
+  detail::parallel_for(
+      options.threads, g.kv_heads * blocks,
+      [&](std::int64_t i0, std::int64_t i1) {
+        std::vector<std::uint16_t> codes(static_cast<std::size_t>(tokens_per_word * D));
+        std::vector<std::uint32_t> packed(static_cast<std::size_t>(B * D));
+        std::vector<float> scratch(static_cast<std::size_t>(D));
+        for (std::int64_t i = i0; i < i1; ++i) {
+          const std::int64_t h = i / blocks, b = i % blocks;
+          const std::int64_t t0 = b * tokens_per_word,
+                             n = std::min<std::int64_t>(tokens_per_word, g.tokens - t0);
+          detail::quantize_key_block<B>(keys, g, h, t0, n, key_scale + h * key_params_per_head,
+                                        key_zero + h * key_params_per_head, codes.data(),
+                                        scratch.data());
+          detail::pack_block<B>(codes.data(), n, D, packed.data());
+          detail::scatter_planes(g, packed.data(), h, b, true, out);
+          detail::quantize_value_block<B>(
+              values, g, layer, h, t0, n, value_scale + h * value_params_per_head,
+              value_zero + h * value_params_per_head, codes.data(), scratch.data());
+          detail::pack_block<B>(codes.data(), n, D, packed.data());
+          detail::scatter_planes(g, packed.data(), h, b, false, out);
+        }
+      },
+      options.executor);
   detail::write_wire_params(g, params, anchor);
   detail::finish_segments(g, layer, options.generation, out);
 }
@@ -413,7 +424,8 @@ quantized_layer merge(const bitplane_tensor<Plan, G, host_space>& tensor) {
 }
 
 struct reconstruct_options {
-  int threads = 1;  // <= 0: all hardware threads
+  int threads = 1;                    // <= 0: all hardware threads
+  task_executor* executor = nullptr;  // the engine's workers run the threads' shares (optional)
 };
 
 /// Dequantizes K and V at the view's precision level into the engine's layout.
@@ -434,10 +446,12 @@ void reconstruct(const bitplane_view<Plan, G, host_space>& v, kv_view<T, host_sp
   const std::int64_t D = g.head_dim, T_ = g.tokens, VG = g.value_group,
                      VGs = g.value_channel_groups();
   const std::int64_t blocks = g.blocks();
-#if LYNX_HOST_AVX512
-  if (detail::simd::reconstruct_supported(keys_out, values_out, g)) {
+#if LYNX_CODEC_AVX512
+  if (detail::use_avx512_codec() && detail::simd::reconstruct_supported(keys_out, values_out, g)) {
+    const bool bf16_cvt = detail::use_avx512_bf16_codec();
     detail::parallel_for(
-        options.threads, g.kv_heads * blocks, [&](std::int64_t i0, std::int64_t i1) {
+        options.threads, g.kv_heads * blocks,
+        [&](std::int64_t i0, std::int64_t i1) {
           aligned_buffer stage(static_cast<std::size_t>(2 * D / 16 * 8) * sizeof(__m512i));
           auto* stage_hi = reinterpret_cast<__m512i*>(stage.data());
           for (std::int64_t i = i0; i < i1; ++i) {
@@ -459,51 +473,56 @@ void reconstruct(const bitplane_view<Plan, G, host_space>& v, kv_view<T, host_sp
                 [&](bool keys, const std::uint32_t** rows) {
                   detail::block_plane_rows(v, keys, h, b, P, rows);
                 },
-                keys_out, values_out, stage_hi, stage_hi + D / 16 * 8, next);
+                keys_out, values_out, stage_hi, stage_hi + D / 16 * 8, next, bf16_cvt);
           }
           _mm_sfence();  // order any non-temporal stores of the rows before the join
-        });
+        },
+        options.executor);
     return;
   }
 #endif
-  detail::parallel_for(options.threads, g.kv_heads * blocks, [&](std::int64_t i0, std::int64_t i1) {
-    std::vector<std::uint32_t> codes(static_cast<std::size_t>(tokens_per_word * D));
-    std::vector<float> row(static_cast<std::size_t>(D));
-    const std::uint32_t* rows[16];
-    for (std::int64_t i = i0; i < i1; ++i) {
-      const std::int64_t h = i / blocks, b = i % blocks;
-      const std::int64_t t0 = b * tokens_per_word,
-                         n = std::min<std::int64_t>(tokens_per_word, T_ - t0);
-      // keys: per channel parameters of the token's group
-      detail::block_plane_rows(v, true, h, b, P, rows);
-      detail::unpack_block(rows, P, n, D, codes.data());
-      for (std::int64_t t = 0; t < n; ++t) {
-        const std::int64_t base = (h * g.key_token_groups() + (t0 + t) / g.key_group) * D;
-        const float* LYNX_RESTRICT scale = v.key_scale() + base;
-        const float* LYNX_RESTRICT zero = v.key_zero() + base;
-        const std::uint32_t* LYNX_RESTRICT c = codes.data() + t * D;
-        float* LYNX_RESTRICT r = row.data();
-        for (std::int64_t ch = 0; ch < D; ++ch)
-          r[ch] = reconstruct_from_level(static_cast<float>(c[ch] << (B - P)) + half,
-                                         {scale[ch], zero[ch]});
-        for (std::int64_t ch = 0; ch < D; ++ch) keys_out(t0 + t, h, ch) = from_float<T>(r[ch]);
-      }
-      // values: per token parameters of each channel group
-      detail::block_plane_rows(v, false, h, b, P, rows);
-      detail::unpack_block(rows, P, n, D, codes.data());
-      for (std::int64_t t = 0; t < n; ++t) {
-        const std::int64_t base = (h * T_ + t0 + t) * VGs;
-        const std::uint32_t* LYNX_RESTRICT c = codes.data() + t * D;
-        float* LYNX_RESTRICT r = row.data();
-        for (std::int64_t grp = 0; grp < VGs; ++grp) {
-          const group_params p{v.value_scale()[base + grp], v.value_zero()[base + grp]};
-          for (std::int64_t ch = grp * VG; ch < grp * VG + VG; ++ch)
-            r[ch] = reconstruct_from_level(static_cast<float>(c[ch] << (B - P)) + half, p);
+  detail::parallel_for(
+      options.threads, g.kv_heads * blocks,
+      [&](std::int64_t i0, std::int64_t i1) {
+        std::vector<std::uint32_t> codes(static_cast<std::size_t>(tokens_per_word * D));
+        std::vector<float> row(static_cast<std::size_t>(D));
+        const std::uint32_t* rows[16];
+        for (std::int64_t i = i0; i < i1; ++i) {
+          const std::int64_t h = i / blocks, b = i % blocks;
+          const std::int64_t t0 = b * tokens_per_word,
+                             n = std::min<std::int64_t>(tokens_per_word, T_ - t0);
+          // keys: per channel parameters of the token's group
+          detail::block_plane_rows(v, true, h, b, P, rows);
+          detail::unpack_block(rows, P, n, D, codes.data());
+          for (std::int64_t t = 0; t < n; ++t) {
+            const std::int64_t base = (h * g.key_token_groups() + (t0 + t) / g.key_group) * D;
+            const float* LYNX_RESTRICT scale = v.key_scale() + base;
+            const float* LYNX_RESTRICT zero = v.key_zero() + base;
+            const std::uint32_t* LYNX_RESTRICT c = codes.data() + t * D;
+            float* LYNX_RESTRICT r = row.data();
+            for (std::int64_t ch = 0; ch < D; ++ch)
+              r[ch] = reconstruct_from_level(static_cast<float>(c[ch] << (B - P)) + half,
+                                             {scale[ch], zero[ch]});
+            for (std::int64_t ch = 0; ch < D; ++ch) keys_out(t0 + t, h, ch) = from_float<T>(r[ch]);
+          }
+          // values: per token parameters of each channel group
+          detail::block_plane_rows(v, false, h, b, P, rows);
+          detail::unpack_block(rows, P, n, D, codes.data());
+          for (std::int64_t t = 0; t < n; ++t) {
+            const std::int64_t base = (h * T_ + t0 + t) * VGs;
+            const std::uint32_t* LYNX_RESTRICT c = codes.data() + t * D;
+            float* LYNX_RESTRICT r = row.data();
+            for (std::int64_t grp = 0; grp < VGs; ++grp) {
+              const group_params p{v.value_scale()[base + grp], v.value_zero()[base + grp]};
+              for (std::int64_t ch = grp * VG; ch < grp * VG + VG; ++ch)
+                r[ch] = reconstruct_from_level(static_cast<float>(c[ch] << (B - P)) + half, p);
+            }
+            for (std::int64_t ch = 0; ch < D; ++ch)
+              values_out(t0 + t, h, ch) = from_float<T>(r[ch]);
+          }
         }
-        for (std::int64_t ch = 0; ch < D; ++ch) values_out(t0 + t, h, ch) = from_float<T>(r[ch]);
-      }
-    }
-  });
+      },
+      options.executor);
 }
 
 template <stream_plan_type Plan, int G, kv_element T>
@@ -514,3 +533,10 @@ void reconstruct(const bitplane_tensor<Plan, G, host_space>& tensor,
 }
 
 }  // namespace lynx
+
+// With lynx::kernels linked, the configurations it ships are compiled there once.
+#if defined(LYNX_KERNELS)
+#include "lynx/kernels/config.hpp"
+#include "lynx/kernels/instances.hpp"
+LYNX_KERNELS_FOR_EACH(LYNX_KERNELS_DECLARE_CODEC)
+#endif

@@ -26,6 +26,7 @@
 #include <utility>
 
 #include "lynx/attention/tile_math.hpp"
+#include "lynx/backend/host/isa.hpp"
 #include "lynx/backend/host/prefetch.hpp"
 #include "lynx/core/config.hpp"
 #include "lynx/core/dispatch.hpp"
@@ -63,43 +64,8 @@
 
 namespace lynx::detail {
 
-/// True when this CPU runs the AVX-512 kernels.
-inline bool host_has_avx512() {
-#if LYNX_ATTENTION_AVX512
-  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
-  return yes;
-#else
-  return false;
-#endif
-}
-
-/// True when this CPU has AVX2 and FMA: the portable walk then runs compiled for
-/// them (compute_split_portable_fma), where a build for the x86-64 baseline would
-/// call libm for every std::fma and vectorize nothing. fma is exact either way and
-/// the loops are not reassociated, so the bits are those of the baseline build.
-inline bool host_has_fma() {
-#if LYNX_ATTENTION_AVX512
-  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return yes;
-#else
-  return false;
-#endif
-}
-
 /// Bits of the integers the GFNI decoders give for P planes: prefix << (decoded_bits(P) - P).
 inline int decoded_bits(int planes) { return planes > 8 ? 16 : 8; }
-
-/// True when this CPU also runs the GFNI bit-plane decoders (GFNI + AVX512-VBMI).
-inline bool host_has_gfni() {
-#if LYNX_ATTENTION_AVX512
-  static const bool yes =
-      host_has_avx512() && __builtin_cpu_supports("gfni") && __builtin_cpu_supports("avx512vbmi");
-  return yes;
-#else
-  return false;
-#endif
-}
 
 /// A bit-plane prompt at `planes` planes of Plan::bits.
 template <stream_plan_type Plan, int G>

@@ -1,7 +1,10 @@
-// AVX-512 host kernels of the codecs (AVX-512 F/BW/VBMI + GFNI), bit-identical to
-// the portable kernels in codec_kernels.hpp, which stay the fallback and the
-// reference. Compiled only when the target has those extensions
-// (LYNX_HOST_AVX512 == 1); callers test `encode_supported` / `reconstruct_supported`.
+// AVX-512 host kernels of the codecs (AVX-512 F/BW/DQ/VL, AVX512-VBMI and GFNI),
+// bit-identical to the portable kernels in codec_kernels.hpp, which stay the
+// fallback and the reference. Every function here carries a target attribute
+// (LYNX_CODEC_AVX512_TARGET), so the kernels are compiled whatever the includer's
+// -march (LYNX_CODEC_AVX512 == 1 on x86-64 with GCC or clang) and run only where
+// detail::host_has_avx512_codec() says the CPU has those extensions; callers
+// also test `encode_supported` / `reconstruct_supported`.
 //
 // Data flow of one 32-token block of one head, per 16-channel chunk q:
 //   encode:      16-bit input -> float -> code (sub, mul, clamp, cvtps2dq: the same
@@ -18,22 +21,53 @@
 // the group is recomputed by the portable loop.
 #pragma once
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VBMI__) && defined(__GFNI__)
-#define LYNX_HOST_AVX512 1
+#include <atomic>
+
+#include "lynx/backend/host/isa.hpp"
+
+#if LYNX_HOST_CPU_DISPATCH
+#define LYNX_CODEC_AVX512 1
 #else
-#define LYNX_HOST_AVX512 0
+#define LYNX_CODEC_AVX512 0
 #endif
 
-#if LYNX_HOST_AVX512
+namespace lynx::detail {
 
-// Unrolling hints for the host compiler; a CUDA front end compiling this header
-// for a .cu file's host side does not know the pragma.
+/// Which kernels the host codecs (encode_into, reconstruct) may use: all that this
+/// CPU runs (the default), or fewer. Tests lower it to compare every path, bit for
+/// bit, in one binary; it is read once per call of a codec.
+enum class codec_kernels { best, avx512_without_bf16, portable };
+inline std::atomic<codec_kernels> codec_kernels_limit{codec_kernels::best};
+
+/// True when the codecs take the AVX-512 kernels below.
+inline bool use_avx512_codec() {
+  return LYNX_CODEC_AVX512 && host_has_avx512_codec() &&
+         codec_kernels_limit.load(std::memory_order_relaxed) != codec_kernels::portable;
+}
+
+/// True when they also convert float to bf16 with AVX512-BF16.
+inline bool use_avx512_bf16_codec() {
+  return use_avx512_codec() && host_has_avx512_bf16() &&
+         codec_kernels_limit.load(std::memory_order_relaxed) == codec_kernels::best;
+}
+
+}  // namespace lynx::detail
+
+#if LYNX_CODEC_AVX512
+
+// The extensions every kernel (and every lambda in one that uses intrinsics) is
+// compiled for: what host_has_avx512_codec() checks. Helpers forced inline need
+// it too, as the compilers inline only into a function with at least the
+// callee's extensions. Such lambdas capture by reference even when they need
+// nothing: a captureless one also converts to a plain function, which would be
+// compiled without the attribute.
+#define LYNX_CODEC_AVX512_TARGET \
+  __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vbmi,gfni")))
+
+// Unrolling hints: loops over arrays of vectors must be unrolled for the arrays to
+// stay in registers, which -O2 alone does not always do.
 #define LYNX_SIMD_PRAGMA(x) _Pragma(#x)
-#if defined(__CUDACC__)
-#define LYNX_SIMD_UNROLL(n)
-#else
 #define LYNX_SIMD_UNROLL(n) LYNX_SIMD_PRAGMA(GCC unroll n)
-#endif
 
 #include <immintrin.h>
 
@@ -47,6 +81,7 @@
 
 #include "lynx/backend/host/prefetch.hpp"
 #include "lynx/core/buffer.hpp"
+#include "lynx/core/config.hpp"
 #include "lynx/core/types.hpp"
 #include "lynx/core/view.hpp"
 #include "lynx/planes/layout.hpp"
@@ -109,13 +144,17 @@ constexpr byte_network make_network(Dest dest) {
   return net;
 }
 
-LYNX_ALWAYS_INLINE void run_network(const byte_network& net, __m512i (&v)[8]) {
+LYNX_CODEC_AVX512_TARGET LYNX_ALWAYS_INLINE void run_network(const byte_network& net,
+                                                             __m512i (&v)[8]) {
+  LYNX_SIMD_UNROLL(3)
   for (int level = 0; level < 3; ++level) {
     const int bit = 1 << level;
     __m512i next[8];
+    LYNX_SIMD_UNROLL(8)
     for (int n = 0; n < 8; ++n)
       next[n] = _mm512_permutex2var_epi8(v[n & ~bit], _mm512_load_si512(net.index[level][n].data()),
                                          v[n | bit]);
+    LYNX_SIMD_UNROLL(8)
     for (int n = 0; n < 8; ++n) v[n] = next[n];
   }
 }
@@ -169,7 +208,7 @@ inline constexpr long long tokens_of_planes =
 // Element loads and stores (16 elements).
 
 template <class T>
-LYNX_ALWAYS_INLINE __m512 load16(const T* p) {
+LYNX_CODEC_AVX512_TARGET LYNX_ALWAYS_INLINE __m512 load16(const T* p) {
   if constexpr (std::is_same_v<T, float>) {
     return _mm512_loadu_ps(p);
   } else if constexpr (std::is_same_v<T, bf16>) {
@@ -184,7 +223,7 @@ LYNX_ALWAYS_INLINE __m512 load16(const T* p) {
 }
 
 template <class T>
-LYNX_ALWAYS_INLINE void store16(T* p, __m512 x) {
+LYNX_CODEC_AVX512_TARGET LYNX_ALWAYS_INLINE void store16(T* p, __m512 x) {
   if constexpr (std::is_same_v<T, float>) {
     _mm512_storeu_ps(p, x);
   } else if constexpr (std::is_same_v<T, bf16>) {
@@ -207,7 +246,7 @@ LYNX_ALWAYS_INLINE void store16(T* p, __m512 x) {
 // even (cvtps2dq in the default rounding mode equals (t + 2^23) - 2^23 for
 // 0 <= t < 2^23).
 template <int Bits>
-LYNX_ALWAYS_INLINE __m512i quantize16(__m512 x, __m512 zero, __m512 inv) {
+LYNX_CODEC_AVX512_TARGET LYNX_ALWAYS_INLINE __m512i quantize16(__m512 x, __m512 zero, __m512 inv) {
   __m512 t = _mm512_mul_ps(_mm512_sub_ps(x, zero), inv);
   t = _mm512_max_ps(t, _mm512_setzero_ps());                                 // t > 0 ? t : 0
   t = _mm512_min_ps(t, _mm512_set1_ps(static_cast<float>(max_code<Bits>)));  // t < max ? t : max
@@ -215,7 +254,7 @@ LYNX_ALWAYS_INLINE __m512i quantize16(__m512 x, __m512 zero, __m512 inv) {
 }
 
 // bf16_round_down / bf16_round_up (quantizer.hpp) of 16 floats.
-LYNX_ALWAYS_INLINE __m512 bf16_round16(__m512 x, bool up) {
+LYNX_CODEC_AVX512_TARGET LYNX_ALWAYS_INLINE __m512 bf16_round16(__m512 x, bool up) {
   const __m512i u = _mm512_castps_si512(x);
   const __m512i t = _mm512_and_si512(u, _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
   __mmask16 bump = _mm512_test_epi32_mask(u, _mm512_set1_epi32(0xffff));
@@ -226,8 +265,9 @@ LYNX_ALWAYS_INLINE __m512 bf16_round16(__m512 x, bool up) {
 // make_group_params + inverse_scale for 16 groups: `lo` (the minima) becomes the
 // zero points; sets `bad` on an overflowing range.
 template <int Bits>
-LYNX_ALWAYS_INLINE void group_params16(__m512& lo, __m512 hi, __m512& scale, __m512& inv,
-                                       __mmask16& bad) {
+LYNX_CODEC_AVX512_TARGET LYNX_ALWAYS_INLINE void group_params16(__m512& lo, __m512 hi,
+                                                                __m512& scale, __m512& inv,
+                                                                __mmask16& bad) {
   lo = bf16_round16(lo, false);
   const __m512 range = _mm512_sub_ps(hi, lo);
   bad |= _mm512_cmp_ps_mask(range, _mm512_set1_ps(3.4028234663852886e38f), _CMP_NLE_UQ);
@@ -246,7 +286,8 @@ LYNX_ALWAYS_INLINE void group_params16(__m512& lo, __m512 hi, __m512& scale, __m
 /// the lanes of `live` with a zero extreme are recomputed by that loop over
 /// elem(lane, c), c = 0 .. n-1.
 template <class Elem>
-inline void redo_zero_extremes(__m512& lo, __m512& hi, __mmask16 live, int n, Elem&& elem) {
+LYNX_CODEC_AVX512_TARGET inline void redo_zero_extremes(__m512& lo, __m512& hi, __mmask16 live,
+                                                        int n, Elem&& elem) {
   const __mmask16 zeros = (_mm512_cmp_ps_mask(lo, _mm512_setzero_ps(), _CMP_EQ_OQ) |
                            _mm512_cmp_ps_mask(hi, _mm512_setzero_ps(), _CMP_EQ_OQ)) &
                           live;
@@ -269,7 +310,7 @@ inline void redo_zero_extremes(__m512& lo, __m512& hi, __mmask16 live, int n, El
   hi = _mm512_load_ps(u);
 }
 
-LYNX_ALWAYS_INLINE __m512 track_non_finite(__m512 acc, __m512 x) {
+LYNX_CODEC_AVX512_TARGET LYNX_ALWAYS_INLINE __m512 track_non_finite(__m512 acc, __m512 x) {
   return _mm512_fmadd_ps(x, _mm512_setzero_ps(), acc);
 }
 
@@ -297,11 +338,13 @@ constexpr reduce_tables make_reduce_tables() {
 inline constexpr reduce_tables reduce_index = make_reduce_tables();
 
 template <bool Max>
-LYNX_ALWAYS_INLINE __m512 reduce16(__m512 (&m)[16]) {
+LYNX_CODEC_AVX512_TARGET LYNX_ALWAYS_INLINE __m512 reduce16(__m512 (&m)[16]) {
   int count = 16;
+  LYNX_SIMD_UNROLL(4)
   for (int step = 0; step < 4; ++step) {
     const __m512i x_index = _mm512_load_si512(reduce_index.x[step]),
                   y_index = _mm512_load_si512(reduce_index.y[step]);
+    LYNX_SIMD_UNROLL(8)
     for (int k = 0; k < count / 2; ++k) {
       const __m512 x = _mm512_permutex2var_ps(m[2 * k], x_index, m[2 * k + 1]);
       const __m512 y = _mm512_permutex2var_ps(m[2 * k], y_index, m[2 * k + 1]);
@@ -368,10 +411,12 @@ struct next_rows {
 // evaluated depth first so the partial results stay in registers. Non-finite input
 // gives NaN in nf; each group has its own accumulator (no serial chain of fmas).
 template <int PerGroup, class T>
-LYNX_ALWAYS_INLINE void group_minmax(const T* p, __m512& nf, __m512& l, __m512& u) {
+LYNX_CODEC_AVX512_TARGET LYNX_ALWAYS_INLINE void group_minmax(const T* p, __m512& nf, __m512& l,
+                                                              __m512& u) {
   l = load16(p);
   u = l;
   nf = _mm512_mul_ps(l, _mm512_setzero_ps());
+  LYNX_SIMD_UNROLL(4)
   for (int i = 1; i < PerGroup; ++i) {
     const __m512 v = load16(p + 16 * i);
     nf = track_non_finite(nf, v);
@@ -381,7 +426,8 @@ LYNX_ALWAYS_INLINE void group_minmax(const T* p, __m512& nf, __m512& l, __m512& 
 }
 
 template <int Width, int PerGroup, class T>
-LYNX_ALWAYS_INLINE void reduce_groups(const T* const* gp, __m512& nf, __m512& l, __m512& u) {
+LYNX_CODEC_AVX512_TARGET LYNX_ALWAYS_INLINE void reduce_groups(const T* const* gp, __m512& nf,
+                                                               __m512& l, __m512& u) {
   if constexpr (Width == 1) {
     group_minmax<PerGroup>(gp[0], nf, l, u);
   } else {
@@ -402,11 +448,12 @@ LYNX_ALWAYS_INLINE void reduce_groups(const T* const* gp, __m512& nf, __m512& l,
 // Key group minima/maxima of NQ chunks from channel 16 q0, tokens [t0, t1), as the
 // portable loop (l = v < l ? v : l from the first token); one NaN accumulator per chunk.
 template <int NQ, class T>
-LYNX_ALWAYS_INLINE void key_minmax(const kv_view<const T, host_space>& keys, std::int64_t h,
-                                   std::int64_t q0, std::int64_t t0, std::int64_t t1,
-                                   const next_rows<T>& next, std::int64_t u0, __m512 (&lo)[8],
-                                   __m512 (&hi)[8], __m512& non_finite) {
+LYNX_CODEC_AVX512_TARGET LYNX_ALWAYS_INLINE void key_minmax(
+    const kv_view<const T, host_space>& keys, std::int64_t h, std::int64_t q0, std::int64_t t0,
+    std::int64_t t1, const next_rows<T>& next, std::int64_t u0, __m512 (&lo)[8], __m512 (&hi)[8],
+    __m512& non_finite) {
   __m512 nf[NQ];
+  LYNX_SIMD_UNROLL(8)
   for (int k = 0; k < NQ; ++k) {
     lo[k] = hi[k] = load16(&keys(t0, h, 16 * (q0 + k)));
     nf[k] = _mm512_setzero_ps();
@@ -414,6 +461,7 @@ LYNX_ALWAYS_INLINE void key_minmax(const kv_view<const T, host_space>& keys, std
   for (std::int64_t t = t0; t < t1; ++t) {
     if (q0 == 0) next.prefetch_key_row(t - u0);
     const T* row = &keys(t, h, 16 * q0);
+    LYNX_SIMD_UNROLL(8)
     for (int k = 0; k < NQ; ++k) {
       const __m512 v = load16(row + 16 * k);
       nf[k] = track_non_finite(nf[k], v);
@@ -421,6 +469,7 @@ LYNX_ALWAYS_INLINE void key_minmax(const kv_view<const T, host_space>& keys, std
       hi[k] = _mm512_max_ps(v, hi[k]);
     }
   }
+  LYNX_SIMD_UNROLL(8)
   for (int k = 0; k < NQ; ++k) non_finite = _mm512_add_ps(non_finite, nf[k]);
 }
 
@@ -447,8 +496,8 @@ struct encode_scratch {
 
 // Splits 4 code vectors (4 tokens, 16 channels each) into hi/lo code bytes.
 template <int Bits>
-LYNX_ALWAYS_INLINE void stage_codes(__m512i c0, __m512i c1, __m512i c2, __m512i c3, __m512i* hi,
-                                    __m512i* lo) {
+LYNX_CODEC_AVX512_TARGET LYNX_ALWAYS_INLINE void stage_codes(__m512i c0, __m512i c1, __m512i c2,
+                                                             __m512i c3, __m512i* hi, __m512i* lo) {
   if constexpr (Bits == 8) {
     *hi = _mm512_packus_epi16(_mm512_packs_epi32(c0, c1), _mm512_packs_epi32(c2, c3));
   } else {
@@ -467,22 +516,30 @@ LYNX_ALWAYS_INLINE void stage_codes(__m512i c0, __m512i c1, __m512i c2, __m512i 
 
 // Packs the staged code bytes of one block into plane words: planes [first, first + count)
 // of every chunk, written to plane_rows[first + j] + 16 q.
-inline void pack_stage(const __m512i* stage, std::int64_t D, int first, int count,
-                       std::uint32_t* const* plane_rows, bool stream) {
+LYNX_CODEC_AVX512_TARGET inline void pack_stage(const __m512i* stage, std::int64_t D, int first,
+                                                int count, std::uint32_t* const* plane_rows,
+                                                bool stream) {
   const __m512i transpose = _mm512_set1_epi64(planes_of_tokens);
   for (int j = 0; j < count; ++j)
     stream = stream && (reinterpret_cast<std::uintptr_t>(plane_rows[first + j]) & 63) == 0;
   for (std::int64_t q = 0; q < D / 16; ++q) {
     __m512i v[8];
+    LYNX_SIMD_UNROLL(8)
     for (int i = 0; i < 8; ++i) v[i] = stage[q * 8 + i];
     run_network(pack_gather, v);
+    LYNX_SIMD_UNROLL(8)
     for (int i = 0; i < 8; ++i) v[i] = _mm512_gf2p8affine_epi64_epi8(transpose, v[i], 0);
     run_network(pack_scatter, v);
-    if (stream)
-      for (int j = 0; j < count; ++j)
-        _mm512_stream_si512(reinterpret_cast<__m512i*>(plane_rows[first + j] + 16 * q), v[j]);
-    else
-      for (int j = 0; j < count; ++j) _mm512_storeu_si512(plane_rows[first + j] + 16 * q, v[j]);
+    // j < 8 with a test, not j < count: unrolled, every v[j] stays in a register
+    LYNX_SIMD_UNROLL(8)
+    for (int j = 0; j < 8; ++j) {
+      if (j >= count) break;
+      std::uint32_t* dst = plane_rows[first + j] + 16 * q;
+      if (stream)
+        _mm512_stream_si512(reinterpret_cast<__m512i*>(dst), v[j]);
+      else
+        _mm512_storeu_si512(dst, v[j]);
+    }
   }
 }
 
@@ -579,8 +636,9 @@ inline constexpr byte_network16<3> slice_scatter = make_network16<3>({2, 4, 8}, 
 // Rows go 8 at a time through the packs, the gather level and the bit transpose; the
 // scatter levels then run on each half (channels 0-15, 16-31) of the 16 vectors.
 template <class CodeRow>
-LYNX_ALWAYS_INLINE void slice_planes(CodeRow&& code_row, std::uint32_t* const* rows, int sl,
-                                     bool stream) {
+LYNX_CODEC_AVX512_TARGET LYNX_ALWAYS_INLINE void slice_planes(CodeRow&& code_row,
+                                                              std::uint32_t* const* rows, int sl,
+                                                              bool stream) {
   const __m512i transpose = _mm512_set1_epi64(planes_of_tokens);
   __m512i w[16];
   LYNX_SIMD_UNROLL(4)
@@ -637,19 +695,19 @@ LYNX_ALWAYS_INLINE void slice_planes(CodeRow&& code_row, std::uint32_t* const* r
 }
 
 // Even and odd channels of 32 bf16 as floats.
-LYNX_ALWAYS_INLINE __m512 bf16_even(__m512i x) {
+LYNX_CODEC_AVX512_TARGET LYNX_ALWAYS_INLINE __m512 bf16_even(__m512i x) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
 }
-LYNX_ALWAYS_INLINE __m512 bf16_odd(__m512i x) {
+LYNX_CODEC_AVX512_TARGET LYNX_ALWAYS_INLINE __m512 bf16_odd(__m512i x) {
   return _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
 }
 // quantize_value without the clamp (see above).
-LYNX_ALWAYS_INLINE __m512i code_of(__m512 x, __m512 zero, __m512 inv) {
+LYNX_CODEC_AVX512_TARGET LYNX_ALWAYS_INLINE __m512i code_of(__m512 x, __m512 zero, __m512 inv) {
   return _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(x, zero), inv));
 }
 // x ^ (x >> 15 & 0x7fff) on 16-bit lanes: bf16 bits -> integers in float order (-0 below +0),
 // and back.
-LYNX_ALWAYS_INLINE __m512i float_order(__m512i x) {
+LYNX_CODEC_AVX512_TARGET LYNX_ALWAYS_INLINE __m512i float_order(__m512i x) {
   return _mm512_ternarylogic_epi32(x, _mm512_srai_epi16(x, 15), _mm512_set1_epi16(0x7fff),
                                    0x78);  // a ^ (b & c)
 }
@@ -679,7 +737,8 @@ inline constexpr const block_tables& word_pairs = interleave_index;
 // depth first so that few vectors are live. With Rows = 32, word w of the results is
 // row 16 (w & 1) + 4 (w/2 & 3) + w / 8.
 template <int Rows, class Row>
-LYNX_ALWAYS_INLINE void rows_minmax(Row&& row, int r0, __m512i& mn, __m512i& mx) {
+LYNX_CODEC_AVX512_TARGET LYNX_ALWAYS_INLINE void rows_minmax(Row&& row, int r0, __m512i& mn,
+                                                             __m512i& mx) {
   if constexpr (Rows == 2) {
     // 256-bit halves: row r0 in the low half, row r0 + 1 in the high half
     const __m512i a = row(r0), b = row(r0 + 1);
@@ -690,7 +749,7 @@ LYNX_ALWAYS_INLINE void rows_minmax(Row&& row, int r0, __m512i& mn, __m512i& mx)
     __m512i mn_a, mx_a, mn_b, mx_b;
     rows_minmax<Rows / 2>(row, r0, mn_a, mx_a);
     rows_minmax<Rows / 2>(row, r0 + Rows / 2, mn_b, mx_b);
-    auto pair = [](__m512i a, __m512i b, __m512i& x, __m512i& y) {
+    auto pair = [&](__m512i a, __m512i b, __m512i& x, __m512i& y) LYNX_CODEC_AVX512_TARGET {
       if constexpr (Rows == 4) {  // 128-bit lane L: row r0 + L
         x = _mm512_shuffle_i64x2(a, b, 0x88);
         y = _mm512_shuffle_i64x2(a, b, 0xdd);
@@ -723,11 +782,13 @@ inline bool bf16_block_fits(const layer_geometry& g) {
 /// Encodes block t0 / 32 (tokens t0..t0+31, all present) of head h: parameters into
 /// the heads' parameter rows, plane words through key_planes/value_planes(b, j).
 template <class KeyPlanes, class ValuePlanes>
-void encode_bf16_block(const kv_view<const bf16, host_space>& keys,
-                       const kv_view<const bf16, host_space>& values, std::int64_t h,
-                       std::int64_t t0, float* key_scale_head, float* key_zero_head,
-                       float* value_scale_head, float* value_zero_head, KeyPlanes&& key_planes,
-                       ValuePlanes&& value_planes, const next_rows<bf16>& next, encode_scratch& s) {
+LYNX_CODEC_AVX512_TARGET void encode_bf16_block(const kv_view<const bf16, host_space>& keys,
+                                                const kv_view<const bf16, host_space>& values,
+                                                std::int64_t h, std::int64_t t0,
+                                                float* key_scale_head, float* key_zero_head,
+                                                float* value_scale_head, float* value_zero_head,
+                                                KeyPlanes&& key_planes, ValuePlanes&& value_planes,
+                                                const next_rows<bf16>& next, encode_scratch& s) {
   constexpr int D = 128, slices = D / 32;
   const std::int64_t b = t0 / tokens_per_word;
   const std::int64_t ks = keys.token_stride, vs = values.token_stride;
@@ -744,7 +805,7 @@ void encode_bf16_block(const kv_view<const bf16, host_space>& keys,
     }
     return stream;
   };
-  auto load_row = [](const bf16* p) { return _mm512_loadu_si512(p); };
+  auto load_row = [&](const bf16* p) LYNX_CODEC_AVX512_TARGET { return _mm512_loadu_si512(p); };
   // The next item's rows (32 key rows, then 32 value rows, 4 lines a row), asked
   // into L1 one line per row of codes made below (256 of them): this CPU drops
   // most of a burst of prefetches issued back to back, not lines asked one by one.
@@ -836,7 +897,7 @@ void encode_bf16_block(const kv_view<const bf16, host_space>& keys,
     _mm512_storeu_ps(key_zero + 32 * sl + 16,
                      _mm512_permutex2var_ps(lo_even, natural_high, lo_odd));
     slice_planes(
-        [&](int t, __m512i& even, __m512i& odd) {
+        [&](int t, __m512i& even, __m512i& odd) LYNX_CODEC_AVX512_TARGET {
           next_step();
           const __m512i x = load_row(p + t * ks);
           even = code_of(bf16_even(x), lo_even, inv_even);
@@ -854,7 +915,7 @@ void encode_bf16_block(const kv_view<const bf16, host_space>& keys,
   for (int tree = 0; tree < 4; ++tree) {
     __m512i mn, mx;
     rows_minmax<32>(
-        [&](int r) {
+        [&](int r) LYNX_CODEC_AVX512_TARGET {
           const int t = 8 * tree + 4 * (r >> 4) + (r & 3), sl = (r >> 2) & 3;
           return float_order(load_row(vbase + t * vs + 32 * sl));
         },
@@ -883,7 +944,7 @@ void encode_bf16_block(const kv_view<const bf16, host_space>& keys,
   for (int sl = 0; sl < slices; ++sl) {
     const bf16* p = vbase + 32 * sl;
     slice_planes(
-        [&](int t, __m512i& even, __m512i& odd) {
+        [&](int t, __m512i& even, __m512i& odd) LYNX_CODEC_AVX512_TARGET {
           next_step();
           const __m512i x = load_row(p + t * vs);
           const __m512 zero = _mm512_set1_ps(zero_of[4 * t + sl]),
@@ -901,12 +962,14 @@ void encode_bf16_block(const kv_view<const bf16, host_space>& keys,
 /// parameters and value codes, packed straight into the segments' plane words.
 /// key_planes/value_planes(b, j): pointer to plane j's D words of block b.
 template <int Bits, class T, class KeyPlanes, class ValuePlanes>
-void encode_unit(const kv_view<const T, host_space>& keys,
-                 const kv_view<const T, host_space>& values, const layer_geometry& g,
-                 std::int64_t h, std::int64_t u0, std::int64_t u1, float* key_scale_head,
-                 float* key_zero_head, float* value_scale_head, float* value_zero_head,
-                 KeyPlanes&& key_planes, ValuePlanes&& value_planes, const next_rows<T>& next,
-                 encode_scratch& s) {
+LYNX_CODEC_AVX512_TARGET void encode_unit(const kv_view<const T, host_space>& keys,
+                                          const kv_view<const T, host_space>& values,
+                                          const layer_geometry& g, std::int64_t h, std::int64_t u0,
+                                          std::int64_t u1, float* key_scale_head,
+                                          float* key_zero_head, float* value_scale_head,
+                                          float* value_zero_head, KeyPlanes&& key_planes,
+                                          ValuePlanes&& value_planes, const next_rows<T>& next,
+                                          encode_scratch& s) {
   if constexpr (std::is_same_v<T, bf16> && Bits == 8) {
     if (bf16_block_fits(g) && u1 - u0 == tokens_per_word) {
       encode_bf16_block(keys, values, h, u0, key_scale_head, key_zero_head, value_scale_head,
@@ -978,6 +1041,7 @@ void encode_unit(const kv_view<const T, host_space>& keys,
       }
       for (std::int64_t q = 0; q < chunks; ++q) {
         __m512i c[4];
+        LYNX_SIMD_UNROLL(4)
         for (int k = 0; k < 4; ++k) {
           if (t + k < n) {
             c[k] =
@@ -1074,6 +1138,7 @@ void encode_unit(const kv_view<const T, host_space>& keys,
         __m512i c[4];
         const std::int64_t group_of_q = grp;
         if (++in_group == per_group) in_group = 0, ++grp;
+        LYNX_SIMD_UNROLL(4)
         for (int k = 0; k < 4; ++k) {
           if (t + k < n) {
             c[k] = quantize16<Bits>(load16(value_row[k] + 16 * q),
@@ -1106,20 +1171,23 @@ bool reconstruct_supported(const kv_view<T, host_space>& keys_out,
 // Byte network, 8x8 bit transpose and network back: plane words v[j] (16
 // channels) become code bytes stage[i] (tokens 4i..4i+3, byte 16*(t%4) + c), v[j]
 // giving bit 7 - j of every byte.
-LYNX_ALWAYS_INLINE void stage_chunk(__m512i (&v)[8], __m512i* stage) {
+LYNX_CODEC_AVX512_TARGET LYNX_ALWAYS_INLINE void stage_chunk(__m512i (&v)[8], __m512i* stage) {
   const __m512i transpose = _mm512_set1_epi64(tokens_of_planes);
   run_network(unpack_gather, v);
+  LYNX_SIMD_UNROLL(8)
   for (int i = 0; i < 8; ++i) v[i] = _mm512_gf2p8affine_epi64_epi8(transpose, v[i], 0);
   run_network(unpack_scatter, v);
+  LYNX_SIMD_UNROLL(8)
   for (int i = 0; i < 8; ++i) stage[i] = v[i];
 }
 
 // Code bytes of one block from plane words: planes [first, first + count) of
 // plane_rows, as rows stage[q * 8 + t/4] byte 16*(t%4) + c.
-inline void unpack_stage(const std::uint32_t* const* plane_rows, int first, int count,
-                         std::int64_t D, __m512i* stage) {
+LYNX_CODEC_AVX512_TARGET inline void unpack_stage(const std::uint32_t* const* plane_rows, int first,
+                                                  int count, std::int64_t D, __m512i* stage) {
   for (std::int64_t q = 0; q < D / 16; ++q) {
     __m512i v[8];
+    LYNX_SIMD_UNROLL(8)
     for (int j = 0; j < 8; ++j)
       v[j] =
           j < count ? _mm512_loadu_si512(plane_rows[first + j] + 16 * q) : _mm512_setzero_si512();
@@ -1131,14 +1199,15 @@ inline void unpack_stage(const std::uint32_t* const* plane_rows, int first, int 
 // in bits [0, P) and chunk q + 1 in bits [4, 4 + P) of the bytes of
 // stage[q * 8 + t/4] (same byte positions as unpack_stage): half the networks
 // of staging one prefix per byte.
-inline void unpack_stage_nibbles(const std::uint32_t* const* plane_rows, int P, std::int64_t D,
-                                 __m512i* stage) {
+LYNX_CODEC_AVX512_TARGET inline void unpack_stage_nibbles(const std::uint32_t* const* plane_rows,
+                                                          int P, std::int64_t D, __m512i* stage) {
   const std::int64_t chunks = D / 16;
   for (std::int64_t q = 0; q < chunks; q += 2) {
     const bool pair = q + 1 < chunks;
     __m512i v[8];
     // Plane i (i = 0 the most significant) of chunk q at j = 8 - P + i, of
     // chunk q + 1 at j = 4 - P + i.
+    LYNX_SIMD_UNROLL(8)
     for (int j = 0; j < 8; ++j) {
       if (j >= 8 - P)
         v[j] = _mm512_loadu_si512(plane_rows[j - (8 - P)] + 16 * q);
@@ -1153,8 +1222,9 @@ inline void unpack_stage_nibbles(const std::uint32_t* const* plane_rows, int P, 
 
 // Codes (missing planes zero) of token t, channels 16q..16q+15, as dwords.
 template <int Bits>
-LYNX_ALWAYS_INLINE __m512i staged_codes(const __m512i* hi, const __m512i* lo, std::int64_t q,
-                                        std::int64_t t) {
+LYNX_CODEC_AVX512_TARGET LYNX_ALWAYS_INLINE __m512i staged_codes(const __m512i* hi,
+                                                                 const __m512i* lo, std::int64_t q,
+                                                                 std::int64_t t) {
   const auto* hb = reinterpret_cast<const __m128i*>(hi + q * 8 + t / 4) + t % 4;
   const __m512i h = _mm512_cvtepu8_epi32(_mm_load_si128(hb));
   if constexpr (Bits == 8) {
@@ -1166,12 +1236,15 @@ LYNX_ALWAYS_INLINE __m512i staged_codes(const __m512i* hi, const __m512i* lo, st
   }
 }
 
-#if defined(__AVX512BF16__)
-// float_to_bf16_bits of 32 floats at once: vcvtne2ps2bf16 rounds to nearest even
-// like the portable code and quiets NaN the same way, but reads denormals as zero.
-// `normal`: the caller knows no input is a denormal or NaN (see
-// outputs_never_denormal); otherwise vectors holding either take store16.
-LYNX_ALWAYS_INLINE void store32_bf16(bf16* p, __m512 lo, __m512 hi, bool stream, bool normal) {
+// float_to_bf16_bits of 32 floats at once: vcvtne2ps2bf16 (AVX512-BF16) rounds to
+// nearest even like the portable code and quiets NaN the same way, but reads
+// denormals as zero. `normal`: the caller knows no input is a denormal or NaN (see
+// outputs_never_denormal); otherwise vectors holding either take store16. Callers
+// use it only where host_has_avx512_bf16(); the instruction is written as inline
+// assembly so that the kernels need no bf16 target (which would let the compiler
+// use the extension anywhere in them, also on CPUs without it).
+LYNX_CODEC_AVX512_TARGET LYNX_ALWAYS_INLINE void store32_bf16(bf16* p, __m512 lo, __m512 hi,
+                                                              bool stream, bool normal) {
   constexpr int nan_or_denormal = 0x01 | 0x20 | 0x80;  // QNaN | denormal | SNaN
   if (!normal && !_kortestz_mask16_u8(_mm512_fpclass_ps_mask(lo, nan_or_denormal),
                                       _mm512_fpclass_ps_mask(hi, nan_or_denormal))) {
@@ -1179,13 +1252,13 @@ LYNX_ALWAYS_INLINE void store32_bf16(bf16* p, __m512 lo, __m512 hi, bool stream,
     store16(p + 16, hi);
     return;
   }
-  const __m512i r = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));
+  __m512i r;  // words 0-15 from lo, 16-31 from hi (_mm512_cvtne2ps_pbh(hi, lo))
+  __asm__("vcvtne2ps2bf16 {%2, %1, %0|%0, %1, %2}" : "=v"(r) : "v"(hi), "v"(lo));
   if (stream)
     _mm512_stream_si512(reinterpret_cast<__m512i*>(p), r);
   else
     _mm512_storeu_si512(p, r);
 }
-#endif
 
 /// True when fma(scale[i], level, zero[i]) is never a denormal or NaN, for every
 /// i < count and every level that is a multiple of 1/2 (the reconstruction levels
@@ -1195,7 +1268,8 @@ LYNX_ALWAYS_INLINE void store32_bf16(bf16* p, __m512 lo, __m512 hi, bool stream,
 /// zero one of 2^(e_zero - 23) >= 2^-126, so their exact sum is 0 or at least
 /// 2^-126, the smallest normal, and so is its rounding. Parameters from real
 /// K/V always pass; the check lets a block skip the per-vector denormal test.
-inline bool outputs_never_denormal(const float* scale, const float* zero, std::int64_t count) {
+LYNX_CODEC_AVX512_TARGET inline bool outputs_never_denormal(const float* scale, const float* zero,
+                                                            std::int64_t count) {
   // |x| bits - 1 below (threshold bits - 1), unsigned: nonzero and under the
   // threshold; NaN and infinity fail the second test.
   const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff), one = _mm512_set1_epi32(1),
@@ -1215,18 +1289,18 @@ inline bool outputs_never_denormal(const float* scale, const float* zero, std::i
 }
 
 /// Writes one output row (D elements) from x(q), the 16 floats of chunk q.
-/// `normal`: no x(q) is a denormal or NaN (outputs_never_denormal).
+/// `bf16_cvt`: bf16 outputs go through store32_bf16 (the CPU has AVX512-BF16);
+/// `normal`: no x(q) is then a denormal or NaN (outputs_never_denormal).
 template <class T, class Row>
-LYNX_ALWAYS_INLINE void store_row(T* out, std::int64_t chunks, bool stream, bool normal, Row&& x) {
+LYNX_CODEC_AVX512_TARGET LYNX_ALWAYS_INLINE void store_row(T* out, std::int64_t chunks, bool stream,
+                                                           bool bf16_cvt, bool normal, Row&& x) {
   std::int64_t q = 0;
-#if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, bf16>) {
-    const bool aligned = stream && (reinterpret_cast<std::uintptr_t>(out) & 63) == 0;
-    for (; q + 2 <= chunks; q += 2) store32_bf16(out + 16 * q, x(q), x(q + 1), aligned, normal);
+    if (bf16_cvt) {
+      const bool aligned = stream && (reinterpret_cast<std::uintptr_t>(out) & 63) == 0;
+      for (; q + 2 <= chunks; q += 2) store32_bf16(out + 16 * q, x(q), x(q + 1), aligned, normal);
+    }
   }
-#else
-  (void)normal;
-#endif
   if constexpr (std::is_same_v<T, float>) {
     if (stream && (reinterpret_cast<std::uintptr_t>(out) & 63) == 0) {
       for (; q < chunks; ++q) _mm512_stream_ps(out + 16 * q, x(q));
@@ -1239,21 +1313,23 @@ LYNX_ALWAYS_INLINE void store_row(T* out, std::int64_t chunks, bool stream, bool
 // Rows of one block from its staged codes. Lut: stage_hi holds the prefixes
 // (P <= 4) as nibbles (unpack_stage_nibbles) and the level float(prefix << (B-P)) + half comes
 // from a 16-entry table, the same float the portable expression gives.
+// Flattened: at -O2 GCC leaves some of the lambdas and helpers below out of line,
+// and their captures then go through memory in the row loop.
 template <int Bits, bool Lut, class T>
-void reconstruct_rows(const layer_geometry& g, std::int64_t h, std::int64_t t0, std::int64_t n,
-                      bool keys, bool stream, __m512 half_v, __m512 lut, const float* key_scale,
-                      const float* key_zero, const float* value_scale, const float* value_zero,
-                      const kv_view<T, host_space>& keys_out,
-                      const kv_view<T, host_space>& values_out, const __m512i* stage_hi,
-                      const __m512i* stage_lo, prefetch_walk& walk, int lines_per_row) {
+LYNX_CODEC_AVX512_TARGET __attribute__((flatten)) void reconstruct_rows(
+    const layer_geometry& g, std::int64_t h, std::int64_t t0, std::int64_t n, bool keys,
+    bool stream, __m512 half_v, __m512 lut, const float* key_scale, const float* key_zero,
+    const float* value_scale, const float* value_zero, const kv_view<T, host_space>& keys_out,
+    const kv_view<T, host_space>& values_out, const __m512i* stage_hi, const __m512i* stage_lo,
+    prefetch_walk& walk, int lines_per_row, bool bf16_cvt) {
   const std::int64_t D = g.head_dim, chunks = D / 16;
   // Lut: the prefixes of chunk q as dword indexes (vpermps reads their low 4 bits).
-  auto nibbles = [&](std::int64_t q, std::int64_t t) {
+  auto nibbles = [&](std::int64_t q, std::int64_t t) LYNX_CODEC_AVX512_TARGET {
     const auto* hb = reinterpret_cast<const __m128i*>(stage_hi + (q & ~1) * 8 + t / 4) + t % 4;
     const __m512i bytes = _mm512_cvtepu8_epi32(_mm_load_si128(hb));
     return q & 1 ? _mm512_srli_epi32(bytes, 4) : bytes;
   };
-  auto level = [&](std::int64_t q, std::int64_t t) {
+  auto level = [&](std::int64_t q, std::int64_t t) LYNX_CODEC_AVX512_TARGET {
     if constexpr (Lut) {
       return _mm512_permutexvar_ps(nibbles(q, t), lut);
     } else {
@@ -1279,30 +1355,28 @@ void reconstruct_rows(const layer_geometry& g, std::int64_t h, std::int64_t t0, 
   const std::int64_t value_step = g.value_channel_groups();
   bool normal = false;        // read by the bf16 stores only
   bool value_tables = false;  // the path below: bf16 outputs, prefixes, groups of 32k channels
-#if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<T, bf16>) {
+  if (std::is_same_v<T, bf16> && bf16_cvt) {
     const std::int64_t key_groups = (t0 + n - 1) / g.key_group - t0 / g.key_group + 1;
     normal = keys
                  ? outputs_never_denormal(key_scale + key_base, key_zero + key_base, key_groups * D)
                  : outputs_never_denormal(vs, vz, n * value_step);
     value_tables = Lut && !keys && small && chunks % 2 == 0 && g.value_group % 32 == 0;
   }
-#endif
   for (std::int64_t t = 0; t < n; ++t, row += row_stride) {
     walk.step_n(lines_per_row);
     if (keys) {
       const float* ks = key_scale + key_base;
       const float* kz = key_zero + key_base;
-      store_row(row, chunks, stream, normal, [&](std::int64_t q) {
-        return _mm512_fmadd_ps(_mm512_loadu_ps(ks + 16 * q), level(q, t),
-                               _mm512_loadu_ps(kz + 16 * q));
-      });
+      store_row(row, chunks, stream, bf16_cvt, normal,
+                [&](std::int64_t q) LYNX_CODEC_AVX512_TARGET {
+                  return _mm512_fmadd_ps(_mm512_loadu_ps(ks + 16 * q), level(q, t),
+                                         _mm512_loadu_ps(kz + 16 * q));
+                });
       if (++in_group == g.key_group) {
         in_group = 0;
         key_base += D;
       }
     } else if (value_tables) {
-#if defined(__AVX512BF16__)
       // A value group covers whole pairs of chunks: its 16 outputs
       // fma(scale, level, zero) once, then picked per element (the same fma of
       // the same operands, so the same bits).
@@ -1314,12 +1388,12 @@ void reconstruct_rows(const layer_geometry& g, std::int64_t h, std::int64_t t0, 
                      _mm512_permutexvar_ps(nibbles(q, t), table),
                      _mm512_permutexvar_ps(nibbles(q + 1, t), table), aligned, normal);
       }
-#endif
     } else {
-      store_row(row, chunks, stream, normal, [&](std::int64_t q) {
-        const std::int64_t grp = small ? group_of_chunk[q] : (16 * q) / g.value_group;
-        return _mm512_fmadd_ps(_mm512_set1_ps(vs[grp]), level(q, t), _mm512_set1_ps(vz[grp]));
-      });
+      store_row(
+          row, chunks, stream, bf16_cvt, normal, [&](std::int64_t q) LYNX_CODEC_AVX512_TARGET {
+            const std::int64_t grp = small ? group_of_chunk[q] : (16 * q) / g.value_group;
+            return _mm512_fmadd_ps(_mm512_set1_ps(vs[grp]), level(q, t), _mm512_set1_ps(vz[grp]));
+          });
     }
     if (!keys) {
       vs += value_step;
@@ -1329,14 +1403,15 @@ void reconstruct_rows(const layer_geometry& g, std::int64_t h, std::int64_t t0, 
 }
 
 /// Reconstructs block b of head h (K and V) at P planes. `next`: the inputs of
-/// the next block, asked for a few lines per row written.
+/// the next block, asked for a few lines per row written. `bf16_cvt`: bf16
+/// outputs may use AVX512-BF16 (use_avx512_bf16_codec()).
 template <int Bits, class T, class Rows>
-void reconstruct_block(const layer_geometry& g, std::int64_t h, std::int64_t b, int P, float half,
-                       const float* key_scale, const float* key_zero, const float* value_scale,
-                       const float* value_zero, Rows&& plane_rows,
-                       const kv_view<T, host_space>& keys_out,
-                       const kv_view<T, host_space>& values_out, __m512i* stage_hi,
-                       __m512i* stage_lo, prefetch_walk& next) {
+LYNX_CODEC_AVX512_TARGET void reconstruct_block(
+    const layer_geometry& g, std::int64_t h, std::int64_t b, int P, float half,
+    const float* key_scale, const float* key_zero, const float* value_scale,
+    const float* value_zero, Rows&& plane_rows, const kv_view<T, host_space>& keys_out,
+    const kv_view<T, host_space>& values_out, __m512i* stage_hi, __m512i* stage_lo,
+    prefetch_walk& next, bool bf16_cvt) {
   const std::int64_t D = g.head_dim, chunks = D / 16, T_ = g.tokens;
   const std::int64_t t0 = b * tokens_per_word, n = std::min<std::int64_t>(tokens_per_word, T_ - t0);
   const int lines_per_row = walk_step_lines(next, 2 * n);  // a step per row written
@@ -1356,7 +1431,7 @@ void reconstruct_block(const layer_geometry& g, std::int64_t h, std::int64_t b, 
       unpack_stage_nibbles(rows, P, D, stage_hi);
       reconstruct_rows<Bits, true, T>(g, h, t0, n, which == 0, stream, half_v, lut, key_scale,
                                       key_zero, value_scale, value_zero, keys_out, values_out,
-                                      stage_hi, stage_lo, next, lines_per_row);
+                                      stage_hi, stage_lo, next, lines_per_row, bf16_cvt);
       continue;
     }
     unpack_stage(rows, 0, std::min(P, 8), D, stage_hi);
@@ -1366,7 +1441,7 @@ void reconstruct_block(const layer_geometry& g, std::int64_t h, std::int64_t b, 
       std::fill(stage_lo, stage_lo + chunks * 8, _mm512_setzero_si512());
     reconstruct_rows<Bits, false, T>(g, h, t0, n, which == 0, stream, half_v, lut, key_scale,
                                      key_zero, value_scale, value_zero, keys_out, values_out,
-                                     stage_hi, stage_lo, next, lines_per_row);
+                                     stage_hi, stage_lo, next, lines_per_row, bf16_cvt);
   }
 }
 
@@ -1376,4 +1451,4 @@ void reconstruct_block(const layer_geometry& g, std::int64_t h, std::int64_t b, 
 #pragma GCC diagnostic pop
 #endif
 
-#endif  // LYNX_HOST_AVX512
+#endif  // LYNX_CODEC_AVX512

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Independent numpy reference forward pass for Gemma-3-270M stored as GGUF.
 
-Written from the model facts in shared/notes/GEMMA3.md (not from llama.cpp or
-transformers code).  Used in CI to check the C++ forward pass of Lynx.
+Written from the published facts of the Gemma 3 architecture and the GGUF
+file's metadata (not from llama.cpp or transformers code).  Used in CI to check the C++ forward pass of Lynx.
 
 Reading and dequantization use the `gguf` python package; everything else is
 plain numpy.  The default precision is float64 (weights are dequantized once,
@@ -35,7 +35,7 @@ for _v in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
 
 import numpy as np  # noqa: E402  (after the thread setting)
 
-# Defaults for keys the GGUF file does not carry (GEMMA3.md, "Absent ...").
+# Defaults for keys the GGUF file does not carry (the Gemma 3 architecture as published).
 DEFAULT_SWA_PERIOD = 6          # last layer of every six is global
 DEFAULT_ROPE_BASE_SWA = 10000.0  # sliding-window layers
 DEFAULT_ROPE_BASE = 1000000.0    # global layers (also in the file)

@@ -33,6 +33,7 @@
 #include "disagg/request.hpp"
 #include "lynx/attention/background_merge.hpp"
 #include "lynx/core/error.hpp"
+#include "lynx/planes/layer_set.hpp"
 #include "lynx/planes/segment.hpp"
 #include "lynx/speculation/failure_policy.hpp"
 #include "lynx/speculation/session.hpp"
@@ -132,6 +133,7 @@ decode_result run_decode_node(const Weights& w, int prompt_tokens, Receiver& rec
   decode_result res;
   res.tl.name = "Lynx " + Plan::name();
   auto tensors = F::template make_tensors<Plan>(w, prompt_tokens, o.generation);
+  lynx::layer_set<Plan> received(tensors);  // routes segments, tracks the level
   engine_type engine(w, tensors, prompt_tokens);
   lynx::session_options so;
   so.max_draft = o.max_draft;
@@ -158,8 +160,7 @@ decode_result run_decode_node(const Weights& w, int prompt_tokens, Receiver& rec
   const time_point request_deadline = start + o.deadlines.request;
 
   auto update_level = [&](time_point at) {
-    int l = Plan::streams;
-    for (const auto& t : tensors) l = std::min(l, t.precision_level());
+    const int l = received.level();
     if (l <= level) return;
     for (int k = level + 1; k <= l; ++k) {
       level_seen[static_cast<std::size_t>(k)] = true;
@@ -226,14 +227,7 @@ decode_result run_decode_node(const Weights& w, int prompt_tokens, Receiver& rec
     try {
       const lynx::segment_header h = lynx::peek_header(seg.bytes);
       id = {h.layer, h.stream, h.generation};
-      if (h.magic != lynx::segment_magic)
-        lynx::detail::fail(lynx::errc::bad_magic, "not a Lynx segment");
-      if (h.layer >= static_cast<std::uint32_t>(layers))
-        lynx::detail::fail(lynx::errc::layer_mismatch, "layer " + std::to_string(h.layer) +
-                                                           " of a " + std::to_string(layers) +
-                                                           "-layer model");
-      const auto verdict = tensors[h.layer].accept(seg.bytes);
-      if (verdict == lynx::accept_result::duplicate)
+      if (received.accept(seg.bytes).result == lynx::accept_result::duplicate)
         ++res.duplicates;
       else
         ++res.segments_accepted;
@@ -247,14 +241,7 @@ decode_result run_decode_node(const Weights& w, int prompt_tokens, Receiver& rec
     if (hooks.on_segment) hooks.on_segment(id, level);
   };
 
-  auto missing_segments = [&] {
-    std::vector<lynx::segment_id> m;
-    for (int l = 0; l < layers; ++l)
-      for (int s = 0; s < Plan::streams; ++s)
-        if (!tensors[static_cast<std::size_t>(l)].has_stream(s))
-          m.push_back({static_cast<std::uint32_t>(l), s, o.generation});
-    return m;
-  };
+  auto missing_segments = [&] { return received.missing(); };
 
   auto give_up = [&](const std::string& why) {
     res.failure = why;

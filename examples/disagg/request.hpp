@@ -24,6 +24,7 @@
 
 #include "disagg/family.hpp"
 #include "lynx/planes/codec.hpp"
+#include "lynx/planes/layer_set.hpp"
 #include "lynx/speculation/session.hpp"
 #include "lynx/speculation/verifier.hpp"
 #include "lynx/transport/scheduler.hpp"
@@ -199,6 +200,7 @@ timeline run_request(const Weights& w, const prefill_result<Weights>& pre,
 
   // Decode node.
   auto tensors = F::template make_tensors<Plan>(w, prompt_tokens, 0);
+  lynx::layer_set<Plan> received(tensors);
   typename F::template decode_engine<Plan> engine(w, tensors, prompt_tokens);
   lynx::session_options options;
   options.max_draft = cfg.max_draft;
@@ -215,11 +217,10 @@ timeline run_request(const Weights& w, const prefill_result<Weights>& pre,
       auto r = receiver.try_receive(link.now());
       if (r.status == lynx::errc::timeout) break;
       if (r.status != lynx::errc::ok) throw lynx::error(r.status, "decode node: the link failed");
-      tensors[lynx::peek_header(r.segment.bytes).layer].accept(r.segment.bytes);
+      received.accept(r.segment.bytes);
       const double arrived = lynx::to_seconds(r.segment.arrival);
       receiver.release(r.segment);
-      int level = streams_sent;
-      for (const auto& tensor : tensors) level = std::min(level, tensor.precision_level());
+      const int level = std::min(streams_sent, received.level());  // the others are never sent
       for (int l = 1; l <= level; ++l)
         if (level_time[static_cast<std::size_t>(l)] < 0)
           level_time[static_cast<std::size_t>(l)] = arrived;

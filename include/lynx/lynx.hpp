@@ -15,6 +15,7 @@
 #include "lynx/core/view.hpp"
 #include "lynx/planes/bitplane.hpp"
 #include "lynx/planes/codec.hpp"
+#include "lynx/planes/layer_set.hpp"
 #include "lynx/planes/layout.hpp"
 #include "lynx/planes/segment.hpp"
 #include "lynx/planes/stream_plan.hpp"

@@ -29,7 +29,9 @@
 #include <type_traits>
 #include <utility>
 
-#include "lynx/backend/host/attention_kernels.hpp"
+#include "lynx/backend/host/attention/avx512_decode.hpp"
+#include "lynx/backend/host/attention/sources.hpp"
+#include "lynx/backend/host/isa.hpp"
 #include "lynx/backend/host/parallel.hpp"
 #include "lynx/core/buffer.hpp"
 #include "lynx/core/error.hpp"

@@ -55,10 +55,10 @@
 #include <type_traits>
 
 #include "lynx/attention/decode_attention.hpp"
-#include "lynx/attention/tile_math.hpp"
 #include "lynx/attention/variant.hpp"
 #include "lynx/backend/cuda/codec.cuh"
 #include "lynx/backend/cuda/error.cuh"
+#include "lynx/backend/host/attention/tile_math.hpp"
 #include "lynx/core/dispatch.hpp"
 #include "lynx/core/error.hpp"
 #include "lynx/core/memory.hpp"

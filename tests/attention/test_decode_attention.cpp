@@ -380,12 +380,13 @@ TEST_CASE_TEMPLATE("a complete layer merged into codes: the bits of attention ov
   // Group sizes lynx::kernels does not ship are compiled here, so each bit width
   // (8 and 16) meets each of them once, not every plan:
   // key groups of 16 tokens: the portable scores
-  if constexpr (std::is_same_v<Plan, lynx::plan_8_2_2_4> || std::is_same_v<Plan, lynx::plan_16_4_4_8>)
+  if constexpr (std::is_same_v<Plan, lynx::plan_8_2_2_4> ||
+                std::is_same_v<Plan, lynx::plan_16_4_4_8>)
     codes_case<Plan, 16>(200, 1, 4, 64, 2, 2);
   // value groups of 8 channels: the portable values
   if constexpr (std::is_same_v<Plan, lynx::plan_8_4_4> || std::is_same_v<Plan, lynx::plan_16_4_12>)
     codes_case<Plan, 8>(100, 1, 4, 64, 2, 2);
-  codes_case<Plan>(131, 1, 12, 64, 2, 2);     // 12 heads: score passes of 8 and 4
+  codes_case<Plan>(131, 1, 12, 64, 2, 2);  // 12 heads: score passes of 8 and 4
 }
 
 TEST_CASE("a code_tensor kept per layer slot: each assign gives the codes of a fresh one") {

@@ -1,5 +1,5 @@
 // Host codec benchmarks on a Llama-3-8B-shaped layer: 8 KV heads x 128 channels,
-// 4,096 and 32,768 tokens, bf16 K and V, token-major ([tokens][heads][dim]).
+// 4,096, 8,192 and 32,768 tokens, bf16 K and V, token-major ([tokens][heads][dim]).
 //
 //   memcpy/<tokens>/<threads>                 baseline: copy of the K+V bf16 bytes
 //   encode/<plan>/<tokens>/<threads>          encode_into preallocated segments
@@ -242,7 +242,7 @@ void bm_reconstruct(benchmark::State& state) {
 }
 
 void shapes(benchmark::internal::Benchmark* b) {
-  for (const std::int64_t tokens : {4096, 32768})
+  for (const std::int64_t tokens : {4096, 8192, 32768})
     for (const int threads : {1, lynx::detail::hardware_threads()}) b->Args({tokens, threads});
   b->ArgNames({"tokens", "threads"})->UseRealTime()->Unit(benchmark::kMillisecond);
 }

@@ -9,6 +9,7 @@
 #
 # Inputs: MODE LYNX_SOURCE_DIR LYNX_BINARY_DIR WORK_DIR GENERATOR CXX_COMPILER BUILD_TYPE
 #         CUDA_COMPILER CUDA_ARCHITECTURES (find_package_cuda only)
+#         CXX_FLAGS EXE_LINKER_FLAGS (the build's own, passed on to the consumer)
 #         EXPECT_KERNELS EXPECT_UCX (find_package: the build had lynx::kernels / lynx::ucx,
 #         so the install must provide them)
 cmake_minimum_required(VERSION 3.25)
@@ -36,7 +37,9 @@ set(build_dir "${WORK_DIR}/build")
 set(configure_args
   -S "${LYNX_SOURCE_DIR}/tests/consumer" -B "${build_dir}" -G "${GENERATOR}"
   "-DCMAKE_CXX_COMPILER=${CXX_COMPILER}" "-DCMAKE_BUILD_TYPE=${BUILD_TYPE}"
-  "-DLYNX_CONSUMER_MODE=${MODE}")
+  "-DLYNX_CONSUMER_MODE=${MODE}"
+  # the flags of the build under test (a sanitized lynx::kernels needs a sanitized link)
+  "-DCMAKE_CXX_FLAGS=${CXX_FLAGS}" "-DCMAKE_EXE_LINKER_FLAGS=${EXE_LINKER_FLAGS}")
 
 if(MODE MATCHES "^find_package")
   set(prefix "${WORK_DIR}/prefix")

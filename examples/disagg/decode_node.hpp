@@ -1,20 +1,13 @@
 // The decode node of a disaggregated request over a real transport (any
-// lynx::segment_receiver on the steady clock: TCP, UCX, loopback): receives
-// the request preamble and the segments into per-layer bit-plane tensors,
-// reports the precision level present on every layer to a progressive session
-// that decodes speculatively meanwhile, enforces the request's deadlines and
-// applies its failure policy (lynx/speculation/failure_policy.hpp).
-//
-// Receiving and decoding interleave on one thread: between two forwards it
-// takes whatever has arrived (never waiting); when the session must wait for
-// planes it waits on the receiver until the next deadline. Each segment is
-// accepted into its tensor (which copies it) and released to the transport at
-// once; segments of another generation, damaged or of a wrong layer are
-// reported and ignored; duplicates are idempotent. When the last stream of
-// every layer has landed, a helper thread merges the layers into codes
-// (lynx::background_merge) and the engine reads each layer's codes as soon as
-// they are made: the same bits as its planes, less work per decode step (an
-// engine that can: llama2.c's; the Gemma-3 engine reads the planes).
+// lynx::segment_receiver on the steady clock: TCP, UCX, loopback): the
+// library's lynx::request_driver does the work (segments into per-layer
+// bit-plane tensors, the level present on every layer told to a progressive
+// session that decodes speculatively meanwhile, deadlines, the failure policy
+// of lynx/speculation/failure_policy.hpp, resend requests); this file adds what
+// is the example's own: the request preamble that carries the first token and
+// starts the session, the background merge of the complete prompt into codes
+// for an engine that reads codes (llama2.c's; the Gemma-3 engine reads the
+// planes), and the timeline of the request as the demo prints it.
 // Any model family of disagg/family.hpp; greedy or speculative sampling
 // (decode_node_options::verifier).
 #pragma once
@@ -36,6 +29,7 @@
 #include "lynx/planes/layer_set.hpp"
 #include "lynx/planes/segment.hpp"
 #include "lynx/speculation/failure_policy.hpp"
+#include "lynx/speculation/request_driver.hpp"
 #include "lynx/speculation/session.hpp"
 #include "lynx/transport/concepts.hpp"
 
@@ -55,22 +49,8 @@ struct decode_node_options {
   request_verifier verifier{};  // greedy unless a temperature is set
 };
 
-/// A segment (or preamble) the decode node refused, and why.
-struct rejected_segment {
-  lynx::segment_id id;  // from its header when readable
-  lynx::lane_index lane = 0;
-  lynx::errc status = lynx::errc::ok;  // stale_generation, corrupted_segment, truncated_segment,
-                                       // layer_mismatch, ...
-  std::string what;
-};
-
-/// A failure of the transfer as the decode node saw it.
-struct transfer_failure {
-  lynx::errc status = lynx::errc::ok;  // peer_failure, transport_failure, timeout (a deadline)
-  std::string what;
-  double at = -1;  // seconds on the request's timeline
-  lynx::failure_policy applied = lynx::failure_policy::fail_request;
-};
+using lynx::rejected_segment;  // a segment (or preamble) the decode node refused, and why
+using lynx::transfer_failure;  // a failure of the transfer as the decode node saw it
 
 struct decode_result {
   timeline tl;  // anchor landed, drafts, residual landed, verification, commits (bytes_sent: bytes
@@ -128,7 +108,6 @@ decode_result run_decode_node(const Weights& w, int prompt_tokens, Receiver& rec
     e.use_codes(m);
   };
   const int layers = F::layers(w);
-  const time_point start = clock::now();
 
   decode_result res;
   res.tl.name = "Lynx " + Plan::name();
@@ -143,262 +122,96 @@ decode_result run_decode_node(const Weights& w, int prompt_tokens, Receiver& rec
   std::optional<session_type> session;
   // Declared after the tensors and the engine: destroyed (stopped, joined) before them.
   std::optional<lynx::background_merge<Plan>> merge;
-
-  Receiver* rx = &receiver;
   std::optional<request_preamble> preamble;
   time_point preamble_at{};
-  std::vector<time_point> level_at(static_cast<std::size_t>(Plan::streams) + 1);
-  std::vector<bool> level_seen(static_cast<std::size_t>(Plan::streams) + 1, false);
-  time_point first_draft{}, verification{}, first_committed{}, all_committed{};
-  bool have_first_draft = false, have_verification = false, have_first_committed = false;
-  int level = 0;
-  bool link_done = false;  // every stream landed, or the failure policy let go of the link
-  bool failed = false;
-  int attempts = 0;
-  time_point anchor_deadline = start + o.deadlines.anchor;
-  time_point residual_deadline = time_point::max();
-  const time_point request_deadline = start + o.deadlines.request;
 
-  auto update_level = [&](time_point at) {
-    const int l = received.level();
-    if (l <= level) return;
-    for (int k = level + 1; k <= l; ++k) {
-      level_seen[static_cast<std::size_t>(k)] = true;
-      level_at[static_cast<std::size_t>(k)] = at;
+  using driver_type = lynx::request_driver<lynx::layer_set<Plan>, session_type, Receiver>;
+  typename driver_type::hooks dh;
+  dh.rerequest = hooks.rerequest;
+  dh.on_segment = hooks.on_segment;
+  driver_type* driver = nullptr;
+  // The request preamble (first token, prefill time) shares the lanes with the
+  // segments; the session starts when it lands.
+  dh.on_message = [&](const lynx::received_segment<clock>& seg) {
+    if (!looks_like_preamble(seg.bytes)) return false;
+    const auto p = parse_preamble(seg.bytes);
+    if (!p)
+      driver->reject({}, seg.lane, lynx::errc::corrupted_segment,
+                     "a request preamble of the wrong size or version");
+    else if (p->generation != o.generation)
+      driver->reject({0, 0, p->generation}, seg.lane, lynx::errc::stale_generation,
+                     "request preamble of generation " + std::to_string(p->generation) +
+                         ", the request is " + std::to_string(o.generation));
+    else if (p->prompt_tokens != prompt_tokens || p->layers != layers ||
+             p->streams != Plan::streams)
+      driver->reject({0, 0, p->generation}, seg.lane, lynx::errc::shape_mismatch,
+                     "request preamble of " + std::to_string(p->prompt_tokens) + " tokens, " +
+                         std::to_string(p->layers) + " layers, " + std::to_string(p->streams) +
+                         " streams; expected " + std::to_string(prompt_tokens) + ", " +
+                         std::to_string(layers) + ", " + std::to_string(Plan::streams));
+    else if (!preamble) {  // a resend repeats it: the first one counts
+      preamble = p;
+      preamble_at = seg.arrival;
+      session.emplace(engine, o.verifier, Plan::streams, prompt_tokens, preamble->first_token, so);
+      session->on_commit_event([&](const lynx::committed_token& t) {
+        res.commits.push_back(t);
+        if (hooks.on_commit) hooks.on_commit(t);
+      });
+      if (hooks.on_token) session->on_token_event(hooks.on_token);
+      driver->attach(*session);
     }
-    if (level == 0)
-      residual_deadline = at + o.deadlines.residual;  // measured from the anchor's landing
-    level = l;
-    if (level == Plan::streams) {
-      link_done = true;
-      if constexpr (reads_codes) {
-        if (o.merge_codes) {
-          merge.emplace(std::span<const lynx::bitplane_tensor<Plan>>(tensors), o.merge_threads);
-          engine.use_codes(&*merge);
-        }
-      }
-    }
-    if (session && !session->unverified()) session->set_available_level(level);
-  };
-
-  auto start_session = [&] {
-    session.emplace(engine, o.verifier, Plan::streams, prompt_tokens, preamble->first_token, so);
-    session->on_commit_event([&](const lynx::committed_token& t) {
-      res.commits.push_back(t);
-      if (hooks.on_commit) hooks.on_commit(t);
-    });
-    if (hooks.on_token) session->on_token_event(hooks.on_token);
-    if (level > 0) session->set_available_level(level);
-  };
-
-  auto reject = [&](lynx::segment_id id, lynx::lane_index lane, lynx::errc status,
-                    std::string what) {
-    if (status == lynx::errc::stale_generation) ++res.stale;
-    res.rejected.push_back({id, lane, status, std::move(what)});
-  };
-
-  auto handle = [&](const lynx::received_segment<clock>& seg) {
-    res.tl.bytes_sent += seg.bytes.size();
-    if (looks_like_preamble(seg.bytes)) {
-      const auto p = parse_preamble(seg.bytes);
-      if (!p)
-        reject({}, seg.lane, lynx::errc::corrupted_segment,
-               "a request preamble of the wrong size or version");
-      else if (p->generation != o.generation)
-        reject({0, 0, p->generation}, seg.lane, lynx::errc::stale_generation,
-               "request preamble of generation " + std::to_string(p->generation) +
-                   ", the request is " + std::to_string(o.generation));
-      else if (p->prompt_tokens != prompt_tokens || p->layers != layers ||
-               p->streams != Plan::streams)
-        reject({0, 0, p->generation}, seg.lane, lynx::errc::shape_mismatch,
-               "request preamble of " + std::to_string(p->prompt_tokens) + " tokens, " +
-                   std::to_string(p->layers) + " layers, " + std::to_string(p->streams) +
-                   " streams; expected " + std::to_string(prompt_tokens) + ", " +
-                   std::to_string(layers) + ", " + std::to_string(Plan::streams));
-      else if (!preamble) {  // a resend repeats it: the first one counts
-        preamble = p;
-        preamble_at = seg.arrival;
-        start_session();
-      }
-      rx->release(seg);
-      return;
-    }
-    lynx::segment_id id{};
-    try {
-      const lynx::segment_header h = lynx::peek_header(seg.bytes);
-      id = {h.layer, h.stream, h.generation};
-      if (received.accept(seg.bytes).result == lynx::accept_result::duplicate)
-        ++res.duplicates;
-      else
-        ++res.segments_accepted;
-    } catch (const lynx::error& e) {
-      reject(id, seg.lane, e.code(), e.what());
-      rx->release(seg);
-      return;
-    }
-    rx->release(seg);  // the tensor holds its own copy
-    update_level(seg.arrival);
-    if (hooks.on_segment) hooks.on_segment(id, level);
-  };
-
-  auto missing_segments = [&] { return received.missing(); };
-
-  auto give_up = [&](const std::string& why) {
-    res.failure = why;
-    failed = true;
-    if (session) session->fail(why);
-  };
-
-  // The link broke or a deadline passed with streams missing: apply the policy.
-  auto on_failure = [&](lynx::errc status, const std::string& what) {
-    const time_point now = clock::now();
-    transfer_failure f{status, what, -1, o.failure.policy};
-    f.at = std::chrono::duration<double>(now - start)
-               .count();  // rebased on the request's timeline below
-    lynx::failure_policy policy = o.failure.policy;
-    if (policy == lynx::failure_policy::rerequest) {
-      if (attempts < o.failure.max_rerequests && hooks.rerequest) {
-        lynx::resend_request req{o.generation, missing_segments(), attempts + 1};
-        Receiver* next = hooks.rerequest(req);
-        if (next != nullptr) {
-          ++attempts;
-          ++res.rerequests;
-          res.failures.push_back(f);
-          rx = next;
-          const time_point t = clock::now();
-          if (level == 0) anchor_deadline = t + o.deadlines.anchor;
-          residual_deadline = level == 0 ? time_point::max() : t + o.deadlines.residual;
-          return;
-        }
-      }
-      policy = o.failure.after_rerequests;
-    }
-    f.applied = policy;
-    res.failures.push_back(f);
-    if (policy == lynx::failure_policy::continue_unverified && session && level >= 1) {
-      session->continue_unverified(what);
-      res.failure = what;
-      link_done = true;
-      return;
-    }
-    f.applied = lynx::failure_policy::fail_request;
-    res.failures.back().applied = f.applied;
-    give_up(what);
-  };
-
-  auto check_deadlines = [&] {
-    if (link_done || failed) return;
-    const time_point now = clock::now();
-    if (now >= request_deadline) {
-      res.failures.push_back({lynx::errc::timeout, "the request deadline passed",
-                              std::chrono::duration<double>(now - start).count(),
-                              lynx::failure_policy::fail_request});
-      give_up("the request deadline passed");
-    } else if (level == 0 && now >= anchor_deadline) {
-      on_failure(lynx::errc::timeout, "the anchor deadline passed with " +
-                                          std::to_string(missing_segments().size()) +
-                                          " segments missing");
-    } else if (level > 0 && now >= residual_deadline) {
-      on_failure(lynx::errc::timeout, "the residual deadline passed with " +
-                                          std::to_string(missing_segments().size()) +
-                                          " segments missing");
-    }
-  };
-
-  // Takes one result of try_receive; false when nothing came.
-  auto take = [&](const lynx::receive_result<clock>& r) {
-    if (r.ok()) {
-      handle(r.segment);
-      return true;
-    }
-    if (r.status == lynx::errc::timeout) return false;
-    if (r.status ==
-        lynx::errc::corrupted_segment) {  // a framing error, reported once; the link state follows
-      reject({}, 0, r.status, "the transport refused a frame");
-      return true;
-    }
-    on_failure(r.status, std::string("the link failed: ") + std::string(lynx::to_string(r.status)));
     return true;
   };
-
-  auto next_deadline = [&] {
-    return std::min({request_deadline, level == 0 ? anchor_deadline : residual_deadline});
+  // The complete prompt: merge it into codes on a helper thread (an engine that reads codes).
+  dh.on_level = [&](int level, time_point) {
+    if constexpr (reads_codes) {
+      if (level == Plan::streams && o.merge_codes) {
+        merge.emplace(std::span<const lynx::bitplane_tensor<Plan>>(tensors), o.merge_threads);
+        engine.use_codes(&*merge);
+      }
+    }
   };
-
-  while (!failed && !(session && session->finished())) {
-    if (!link_done) {
-      while (!link_done && !failed && take(rx->try_receive(clock::now()))) {
-      }
-      check_deadlines();
-      if (failed) break;
-    } else if (clock::now() >= request_deadline) {
-      res.failures.push_back({lynx::errc::timeout, "the request deadline passed", -1,
-                              lynx::failure_policy::fail_request});
-      give_up("the request deadline passed");
-      break;
-    }
-    if (!session) {
-      if (link_done) {  // every segment but no preamble: it can no longer come
-        on_failure(lynx::errc::timeout, "every segment landed but the request preamble did not");
-        continue;
-      }
-      take(rx->try_receive(next_deadline()));
-      continue;
-    }
-    const std::size_t before = session->committed().size();
-    res.tl.step_levels.push_back(session->available_level());
-    const lynx::step_result step = session->step();
-    const time_point now = clock::now();
-    if (step.kind == lynx::step_kind::idle) {
-      if (link_done)
-        lynx::detail::fail(lynx::errc::internal,
-                           "decode node: the session waits but the link is done");
-      take(rx->try_receive(next_deadline()));
-      continue;
-    }
-    if (step.kind == lynx::step_kind::draft && !have_first_draft) {
-      have_first_draft = true;
-      first_draft = now;
-    }
-    if (step.kind == lynx::step_kind::verify && step.level == session->requested_level()) {
-      have_verification = true;
-      verification = now;
-      res.tl.verified_drafts += step.drafted;
-      res.tl.accepted_drafts += step.accepted;
-    }
-    if (before < 2 && session->committed().size() >= 2 && !have_first_committed) {
-      have_first_committed = true;
-      first_committed = now;
-    }
-  }
-  all_committed = clock::now();
+  lynx::request_options ro;
+  ro.failure = o.failure;
+  ro.deadlines = o.deadlines;
+  driver_type d(received, receiver, ro, std::move(dh));
+  driver = &d;
+  const lynx::request_report<clock> rep = d.run();
 
   // Timeline: from the request's arrival at the prefill node, taken as the
   // preamble's arrival less the prefill node's time until it posted it (the preamble is 64
-  // bytes: its transit is latency only); without a preamble, from this start.
+  // bytes: its transit is latency only); without a preamble, from the driver's start.
   const time_point t0 =
       preamble ? preamble_at - std::chrono::duration_cast<clock::duration>(
                                    std::chrono::duration<double>(preamble->prefill_seconds))
-               : start;
-  auto at = [&](bool happened, time_point t) {
-    return happened ? std::chrono::duration<double>(t - t0).count() : -1.0;
-  };
-  const double shift = std::chrono::duration<double>(start - t0).count();
+               : rep.started;
+  const double shift = std::chrono::duration<double>(rep.started - t0).count();
+  res.rejected = rep.rejected;
+  res.failures = rep.failures;
   for (auto& f : res.failures)
     if (f.at >= 0) f.at += shift;
+  res.failure = rep.failure;
+  res.duplicates = rep.duplicates;
+  res.stale = rep.stale;
+  res.rerequests = rep.rerequests;
+  res.segments_accepted = rep.segments_accepted;
+  res.level = rep.level;
+  res.outcome = rep.outcome;
+  res.tl.bytes_sent = rep.bytes_received;
+  res.tl.step_levels = rep.step_levels;
+  res.tl.verified_drafts = rep.verified_drafts;
+  res.tl.accepted_drafts = rep.accepted_drafts;
   if (preamble) res.tl.prefill_done = preamble->prefill_seconds;
-  res.tl.anchor_landed = at(level_seen[1], level_at[1]);
-  res.tl.residual_landed = at(level_seen[static_cast<std::size_t>(Plan::streams)],
-                              level_at[static_cast<std::size_t>(Plan::streams)]);
-  res.tl.first_draft = at(have_first_draft, first_draft);
-  res.tl.verification_done = at(have_verification, verification);
-  res.tl.first_committed = at(have_first_committed, first_committed);
-  res.tl.all_committed = at(session && session->finished(), all_committed);
-  res.level = level;
+  res.tl.anchor_landed = rep.seconds(rep.level_at[1], t0);
+  res.tl.residual_landed = rep.seconds(rep.level_at[static_cast<std::size_t>(Plan::streams)], t0);
+  res.tl.first_draft = rep.seconds(rep.first_draft, t0);
+  res.tl.verification_done = rep.seconds(rep.verification, t0);
+  res.tl.first_committed = rep.seconds(rep.first_committed, t0);
+  res.tl.all_committed = rep.seconds(rep.finished, t0);
   if constexpr (reads_codes) {
     if (merge) {
       if (merge->done() && !merge->failed() && merge->ready() == merge->size()) {
-        res.codes_ready = at(true, merge->finished_at());
+        res.codes_ready = rep.seconds(merge->finished_at(), t0);
         res.merge_seconds = std::chrono::duration<double>(merge->elapsed()).count();
       }
       engine.use_codes(static_cast<const lynx::background_merge<Plan>*>(nullptr));
@@ -414,12 +227,6 @@ decode_result run_decode_node(const Weights& w, int prompt_tokens, Receiver& rec
     res.tl.retracted_tokens = res.stats.retracted_tokens;
     res.tl.retractions = res.stats.retractions;
   }
-  if (failed)
-    res.outcome = lynx::request_outcome::failed;
-  else if (session && session->unverified())
-    res.outcome = lynx::request_outcome::completed_unverified;
-  else
-    res.outcome = lynx::request_outcome::completed;
   return res;
 }
 

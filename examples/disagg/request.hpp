@@ -25,6 +25,7 @@
 #include "disagg/family.hpp"
 #include "lynx/planes/codec.hpp"
 #include "lynx/planes/layer_set.hpp"
+#include "lynx/speculation/request_driver.hpp"
 #include "lynx/speculation/session.hpp"
 #include "lynx/speculation/verifier.hpp"
 #include "lynx/transport/scheduler.hpp"
@@ -198,63 +199,45 @@ timeline run_request(const Weights& w, const prefill_result<Weights>& pre,
   }
   tl.encode_done = t;
 
-  // Decode node.
+  // Decode node: lynx::request_driver on the link's virtual clock, each
+  // session step moving it by the step's measured compute.
   auto tensors = F::template make_tensors<Plan>(w, prompt_tokens, 0);
   lynx::layer_set<Plan> received(tensors);
-  typename F::template decode_engine<Plan> engine(w, tensors, prompt_tokens);
+  using engine_type = typename F::template decode_engine<Plan>;
+  engine_type engine(w, tensors, prompt_tokens);
   lynx::session_options options;
   options.max_draft = cfg.max_draft;
   options.max_draft_in_flight = cfg.max_draft_in_flight;
   options.max_new_tokens = cfg.committed_tokens;
-  lynx::progressive_session session(engine, cfg.verifier, streams_sent, prompt_tokens,
-                                    pre.first_token, options);
-  std::vector<double> level_time(static_cast<std::size_t>(streams_sent) + 1, -1.0);
-  auto& receiver = link.receiver();
-  double now = std::max(t, lynx::to_seconds(link.now()));
-  link.advance_to(lynx::virtual_time(virtual_seconds(now)));
-  auto deliver = [&] {
-    for (;;) {
-      auto r = receiver.try_receive(link.now());
-      if (r.status == lynx::errc::timeout) break;
-      if (r.status != lynx::errc::ok) throw lynx::error(r.status, "decode node: the link failed");
-      received.accept(r.segment.bytes);
-      const double arrived = lynx::to_seconds(r.segment.arrival);
-      receiver.release(r.segment);
-      const int level = std::min(streams_sent, received.level());  // the others are never sent
-      for (int l = 1; l <= level; ++l)
-        if (level_time[static_cast<std::size_t>(l)] < 0)
-          level_time[static_cast<std::size_t>(l)] = arrived;
-      if (level > session.available_level() && (!decode_when_complete || level == streams_sent))
-        session.set_available_level(level);
-    }
-  };
-  for (int guard = 0; !session.finished(); ++guard) {
-    if (guard > 1000000) throw std::runtime_error("run_request: no progress");
-    deliver();
-    const std::size_t committed_before = session.committed().size();
-    tl.step_levels.push_back(session.available_level());
-    const auto t0 = std::chrono::steady_clock::now();
-    const lynx::step_result step = session.step();
-    if (step.kind == lynx::step_kind::idle) {
-      if (!link.step())
-        throw std::runtime_error(
-            "run_request: the session waits for planes the link will never deliver");
-      now = std::max(now, lynx::to_seconds(link.now()));
-      continue;
-    }
-    now += seconds_since(t0);
-    link.advance_to(lynx::virtual_time(virtual_seconds(now)));
-    if (step.kind == lynx::step_kind::draft && tl.first_draft < 0) tl.first_draft = now;
-    if (step.kind == lynx::step_kind::verify && step.level == streams_sent) {
-      tl.verification_done = now;
-      tl.verified_drafts += step.drafted;
-      tl.accepted_drafts += step.accepted;
-    }
-    if (committed_before < 2 && session.committed().size() >= 2) tl.first_committed = now;
-  }
-  tl.all_committed = now;
-  tl.anchor_landed = level_time[1];
-  if (streams_sent > 1) tl.residual_landed = level_time[static_cast<std::size_t>(streams_sent)];
+  using session_type = lynx::progressive_session<engine_type, request_verifier>;
+  session_type session(engine, cfg.verifier, streams_sent, prompt_tokens, pre.first_token, options);
+  link.advance_to(lynx::virtual_time(virtual_seconds(std::max(t, lynx::to_seconds(link.now())))));
+  lynx::request_options ro;
+  ro.target_level = streams_sent;
+  ro.hold_until_complete = decode_when_complete;
+  // A simulated link loses nothing: no deadline applies (a day of virtual time
+  // each), and a broken link fails the request.
+  ro.deadlines = {std::chrono::hours(24), std::chrono::hours(24), std::chrono::hours(24)};
+  lynx::request_driver<lynx::layer_set<Plan>, session_type, lynx::simulated_link::receiver_endpoint,
+                       lynx::simulated_time>
+      driver(received, link.receiver(), ro, {}, lynx::simulated_time(link));
+  driver.attach(session);
+  const auto rep = driver.run();
+  if (rep.outcome != lynx::request_outcome::completed)
+    throw std::runtime_error("run_request: " + rep.failure);
+  if (!rep.rejected.empty())  // a simulated link neither damages nor mixes requests
+    throw std::runtime_error("run_request: a segment was refused: " + rep.rejected[0].what);
+  const lynx::virtual_time origin{};  // the request's arrival at the prefill node
+  tl.step_levels = rep.step_levels;
+  tl.verified_drafts = rep.verified_drafts;
+  tl.accepted_drafts = rep.accepted_drafts;
+  tl.first_draft = rep.seconds(rep.first_draft, origin);
+  tl.verification_done = rep.seconds(rep.verification, origin);
+  tl.first_committed = rep.seconds(rep.first_committed, origin);
+  tl.all_committed = rep.seconds(rep.finished, origin);
+  tl.anchor_landed = rep.seconds(rep.level_at[1], origin);
+  if (streams_sent > 1)
+    tl.residual_landed = rep.seconds(rep.level_at[static_cast<std::size_t>(streams_sent)], origin);
   tl.tokens.assign(session.committed().begin(), session.committed().end());
   tl.provisional_tokens = session.stats().provisional_tokens;
   tl.retracted_tokens = session.stats().retracted_tokens;

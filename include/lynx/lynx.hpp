@@ -24,6 +24,7 @@
 #include "lynx/speculation/engine.hpp"
 #include "lynx/speculation/failure_policy.hpp"
 #include "lynx/speculation/random.hpp"
+#include "lynx/speculation/request_driver.hpp"
 #include "lynx/speculation/session.hpp"
 #include "lynx/speculation/verifier.hpp"
 #include "lynx/transport/concepts.hpp"

@@ -32,6 +32,7 @@ namespace lynx {
 template <stream_plan_type Plan, int G = 32, memory_space Space = host_space>
 class layer_set {
  public:
+  using plan_type = Plan;
   using tensor_type = bitplane_tensor<Plan, G, Space>;
 
   /// What one accept did.

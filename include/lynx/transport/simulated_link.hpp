@@ -513,6 +513,29 @@ class simulated_link {
   std::function<void()> hook_;
 };
 
+/// Request time on the link's virtual clock (lynx::request_driver's Time): a
+/// receive that waits moves the link to its next event, or to the deadline when
+/// nothing is due before it; each session step's compute, measured on the
+/// steady clock, moves the link on by as much (or by `fixed_step` when set: a
+/// deterministic timeline for tests and what-if studies).
+struct simulated_time {
+  using clock = virtual_clock;
+  simulated_link* link;
+  std::optional<virtual_duration> fixed_step;
+
+  explicit simulated_time(simulated_link& l, std::optional<virtual_duration> fixed = {})
+      : link(&l), fixed_step(fixed) {}
+
+  [[nodiscard]] virtual_time now() const { return link->now(); }
+  receive_result<clock> wait(simulated_link::receiver_endpoint& receiver, virtual_time deadline) {
+    return receiver.try_receive(deadline);
+  }
+  void computed(std::chrono::steady_clock::duration measured) {
+    link->advance_to(link->now() +
+                     fixed_step.value_or(std::chrono::duration_cast<virtual_duration>(measured)));
+  }
+};
+
 static_assert(check_segment_sender<simulated_link::sender_endpoint>());
 static_assert(check_segment_receiver<simulated_link::receiver_endpoint>());
 

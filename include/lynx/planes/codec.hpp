@@ -34,6 +34,8 @@ struct encode_options {
   std::uint64_t generation = 0;       // request generation written into every header
   int threads = 1;                    // host threads; <= 0 means all hardware threads
   task_executor* executor = nullptr;  // the engine's workers run the threads' shares (optional)
+  std::int32_t value_group = 0;       // channels per value group: a divisor of head_dim (16 for
+                                      // head_dim 80 or 112 at G = 32); 0: min(G, head_dim)
 };
 
 /// The segments of one layer, owned: segment(s) is what a transport sends.
@@ -143,7 +145,7 @@ void encode_into(kv_view<const T, host_space> keys, kv_view<const T, host_space>
                  std::uint32_t layer, std::span<const std::span<std::byte>> out,
                  const encode_options& options = {}) {
   detail::check_input_views(keys, values);
-  const layer_geometry g = make_geometry<Plan, G>(keys.shape);
+  const layer_geometry g = make_geometry<Plan, G>(keys.shape, options.value_group);
   detail::check_output_spans(g, out);
   detail::zero_section_gaps(g, out);
   constexpr int B = Plan::bits;
@@ -276,7 +278,7 @@ encoded_layer<Plan, G> encode(kv_view<const T, host_space> keys,
                               kv_view<const T, host_space> values, std::uint32_t layer,
                               const encode_options& options = {}) {
   detail::check_input_views(keys, values);
-  encoded_layer<Plan, G> result(make_geometry<Plan, G>(keys.shape), layer);
+  encoded_layer<Plan, G> result(make_geometry<Plan, G>(keys.shape, options.value_group), layer);
   std::array<std::span<std::byte>, max_streams> spans{};
   for (int s = 0; s < Plan::streams; ++s) spans[static_cast<std::size_t>(s)] = result.segment(s);
   encode_into<Plan, G, T>(keys, values, layer,
@@ -296,11 +298,11 @@ encoded_layer<Plan, G> encode(kv_view<T, host_space> keys, kv_view<T, host_space
 /// The codes and parameters of a layer, without splitting (the reference for merge).
 template <stream_plan_type Plan, int G = 32, kv_element T>
 quantized_layer quantize(kv_view<const T, host_space> keys, kv_view<const T, host_space> values,
-                         std::uint32_t layer = 0) {
+                         std::uint32_t layer = 0, std::int32_t value_group = 0) {
   detail::check_input_views(keys, values);
   constexpr int B = Plan::bits;
   quantized_layer q;
-  q.geometry = make_geometry<Plan, G>(keys.shape);
+  q.geometry = make_geometry<Plan, G>(keys.shape, value_group);
   const layer_geometry& g = q.geometry;
   const std::int64_t D = g.head_dim, T_ = g.tokens;
   q.key_codes.resize(static_cast<std::size_t>(g.kv_heads * T_ * D));
@@ -334,7 +336,7 @@ encoded_layer<Plan, G> split(const quantized_layer& q, std::uint32_t layer,
                              std::uint64_t generation = 0) {
   const layer_geometry& g = q.geometry;
   detail::require(
-      g == make_geometry<Plan, G>(g.shape()), errc::plan_mismatch,
+      g == make_geometry<Plan, G>(g.shape(), g.value_group), errc::plan_mismatch,
       "split: codes were quantized with plan '" + g.plan.name() + "', not '" + Plan::name() + "'");
   encoded_layer<Plan, G> result(g, layer);
   std::array<std::span<std::byte>, max_streams> spans{};
@@ -426,6 +428,8 @@ quantized_layer merge(const bitplane_tensor<Plan, G, host_space>& tensor) {
 struct reconstruct_options {
   int threads = 1;                    // <= 0: all hardware threads
   task_executor* executor = nullptr;  // the engine's workers run the threads' shares (optional)
+  std::int32_t value_group = 0;       // channels per value group: a divisor of head_dim (16 for
+                                      // head_dim 80 or 112 at G = 32); 0: min(G, head_dim)
 };
 
 /// Dequantizes K and V at the view's precision level into the engine's layout.

@@ -147,9 +147,11 @@ struct layer_geometry {
 };
 
 /// The geometry Lynx uses for a plan, a group size G and a layer's shape.
-/// Keys group G tokens per channel; values group min(G, head_dim) channels per token.
+/// Keys group G tokens per channel. Values group `value_group` channels per
+/// token: any size that divides head_dim (16 for head_dim 80 or 112 at G = 32,
+/// say); 0 (the default) means min(G, head_dim).
 template <stream_plan_type Plan, int G>
-layer_geometry make_geometry(kv_shape shape) {
+layer_geometry make_geometry(kv_shape shape, std::int32_t value_group = 0) {
   static_assert(G >= 1 && G <= 1024, "group size G must be in [1, 1024]");
   detail::require(
       shape.tokens >= 1 && shape.kv_heads >= 1 && shape.head_dim >= 1, errc::shape_mismatch,
@@ -161,11 +163,20 @@ layer_geometry make_geometry(kv_shape shape) {
   layer_geometry g;
   g.plan = plan_desc::of<Plan>();
   g.key_group = G;
-  g.value_group = static_cast<std::int32_t>(G < shape.head_dim ? G : shape.head_dim);
+  detail::require(value_group >= 0 && value_group <= shape.head_dim, errc::shape_mismatch,
+                  "value group of " + std::to_string(value_group) + " channels for head_dim " +
+                      std::to_string(shape.head_dim) + " (0: min(G, head_dim))");
+  g.value_group = value_group != 0
+                      ? value_group
+                      : static_cast<std::int32_t>(G < shape.head_dim ? G : shape.head_dim);
   detail::require(shape.head_dim % g.value_group == 0, errc::shape_mismatch,
                   "head_dim " + std::to_string(shape.head_dim) +
                       " is not a multiple of the value group size " +
-                      std::to_string(g.value_group));
+                      std::to_string(g.value_group) +
+                      (value_group == 0 ? " (min(G, head_dim)): choose a value group that divides "
+                                          "it (encode_options::value_group and the receiver "
+                                          "tensor's value_group)"
+                                        : ""));
   g.tokens = shape.tokens;
   g.kv_heads = shape.kv_heads;
   g.head_dim = shape.head_dim;

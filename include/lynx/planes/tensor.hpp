@@ -170,8 +170,11 @@ inline void expand_params(const layer_geometry& g, std::uint32_t layer, const st
 template <stream_plan_type Plan, int G>
 class stream_ledger {
  public:
-  stream_ledger(kv_shape shape, std::uint32_t layer, std::uint64_t generation)
-      : geometry_(make_geometry<Plan, G>(shape)), layer_(layer), generation_(generation) {}
+  stream_ledger(kv_shape shape, std::uint32_t layer, std::uint64_t generation,
+                std::int32_t value_group = 0)
+      : geometry_(make_geometry<Plan, G>(shape, value_group)),
+        layer_(layer),
+        generation_(generation) {}
 
   /// Streams present as a prefix: 0 before the anchor, Plan::streams when complete.
   [[nodiscard]] int precision_level() const noexcept {
@@ -272,8 +275,11 @@ class bitplane_tensor<Plan, G, host_space> : public detail::stream_ledger<Plan, 
   using view_type = bitplane_view<Plan, G, host_space>;
   static constexpr int group_size = G;
 
-  bitplane_tensor(kv_shape shape, std::uint32_t layer, std::uint64_t generation = 0)
-      : ledger(shape, layer, generation),
+  /// value_group: channels per value group, as the sender's encode_options
+  /// (0: min(G, head_dim)); segments of any other geometry are refused.
+  bitplane_tensor(kv_shape shape, std::uint32_t layer, std::uint64_t generation = 0,
+                  std::int32_t value_group = 0)
+      : ledger(shape, layer, generation, value_group),
         params_(static_cast<std::size_t>(this->geometry().params_bytes())) {
     for (int s = 0; s < Plan::streams; ++s)
       storage_[static_cast<std::size_t>(s)] =

@@ -563,6 +563,12 @@ __global__ void __launch_bounds__(D < 32 ? 32 : D)
 template <stream_plan_type Plan, int G>
 plane_source<Plan::bits, G> make_plane_source(const bitplane_view<Plan, G, device_space>& v) {
   const layer_geometry& g = v.geometry;
+  // The device kernels group values by min(G, head_dim) channels at compile time.
+  ::lynx::detail::require(
+      g.value_group == (G < g.head_dim ? G : g.head_dim), errc::shape_mismatch,
+      "CUDA decode_attention: value groups of " + std::to_string(g.value_group) +
+          " channels; the device kernels take min(G, head_dim) = " +
+          std::to_string(G < g.head_dim ? G : g.head_dim) + " only (the host functor takes any)");
   const int P = v.planes();
   const std::byte* payload[max_streams] = {};
   for (int s = 0; s < Plan::streams; ++s) payload[s] = v.payload[static_cast<std::size_t>(s)];

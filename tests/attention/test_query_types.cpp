@@ -2,13 +2,16 @@
 // give the bits of the same call on their float values (widening is exact); a
 // bf16/fp16 output holds the float output rounded to nearest even, element for
 // element; a call must set exactly one query and one output pointer; an output
-// beyond fp16's range is refused with a message.
+// beyond fp16's range is refused with a message; an fp16 tail gives the bits of
+// a float tail holding its widened values.
 #include <doctest/doctest.h>
 
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
+#include "../support/attention_paths.hpp"
 #include "lynx/attention/decode_attention.hpp"
 #include "lynx/core/error.hpp"
 #include "lynx/planes/codec.hpp"
@@ -142,4 +145,43 @@ TEST_CASE("exactly one query and one output pointer; fp16 outputs within fp16's 
   std::vector<lynx::bf16> out_b(elements);
   attention(lynx::no_prompt{}, tk, tk, one, all, {.data_bf16 = out_b.data()}, ws);
   CHECK(lynx::to_float(out_b[0]) == lynx::to_float(lynx::bf16(1.0e5f)));
+}
+
+TEST_CASE("an fp16 tail: the bits of a float tail of its widened values, on every host path") {
+  const fixture f;
+  const std::vector<float> q = some_queries();
+  constexpr int tail_tokens = 40;  // query i sees 38 + i of them (causal)
+  const lynx::kv_shape ts{tail_tokens, 2, 64};
+  std::vector<lynx::fp16> hk(static_cast<std::size_t>(ts.elements())), hv(hk.size());
+  std::vector<float> wk(hk.size()), wv(hk.size());
+  for (std::size_t i = 0; i < hk.size(); ++i) {
+    hk[i] = lynx::fp16(static_cast<float>(static_cast<int>(i * 613u % 401u) - 200) / 37.0f);
+    hv[i] = lynx::fp16(static_cast<float>(static_cast<int>(i * 97u % 331u) - 165) / 29.0f);
+    wk[i] = lynx::to_float(hk[i]);
+    wv[i] = lynx::to_float(hv[i]);
+  }
+  const lynx::tail_visibility vis{tail_tokens - n_queries, 1};
+  const lynx::attention_queries queries{q.data(), n_queries, q_heads, 64};
+  auto call = [&](const auto& prompt, const auto& keys, const auto& values,
+                  lynx::attention_path path) {
+    const auto k = lynx::token_major<const std::remove_cvref_t<decltype(keys[0])>>(keys.data(), ts);
+    const auto v =
+        lynx::token_major<const std::remove_cvref_t<decltype(values[0])>>(values.data(), ts);
+    std::vector<float> out(elements + n_queries * q_heads);
+    lynx::decode_attention<> attention{};
+    lynx::attention_workspace ws(attention.problem(prompt, k, queries, vis), 2);
+    attention(prompt, k, v, queries, vis, {out.data(), out.data() + elements}, ws,
+              {.threads = 2, .path = path});
+    return out;
+  };
+  for (const auto path : lynx::test::host_attention_paths()) {
+    CAPTURE(lynx::test::attention_path_name(path));
+    // over the anchor of a bit-plane prompt, and with no prompt
+    const auto planes_f = call(f.tensor.view(), wk, wv, path);
+    CHECK(call(f.tensor.view(), hk, hv, path) == planes_f);
+    const auto alone_f = call(lynx::no_prompt{}, wk, wv, path);
+    CHECK(call(lynx::no_prompt{}, hk, hv, path) == alone_f);
+    // and the same bits on every path (the first one's)
+    CHECK(planes_f == call(f.tensor.view(), wk, wv, lynx::attention_path::portable));
+  }
 }

@@ -3,7 +3,8 @@
 // level, reconstructed inside the dot products; a complete layer merged into
 // codes, lynx::code_view, with the same bits as all its planes; or a dense
 // bf16/float cache, the 16-bit baseline; or nothing) followed by a local
-// full-precision tail.
+// full-precision tail of float, bf16 or fp16 rows (fp16 rows are read by the
+// portable loops on every path: the bits of a float tail of the same values).
 //
 //   queries  [n_queries][q_heads][head_dim] float, bf16 or fp16, positions prompt_tokens +
 //            tail_visible(i) - 1
@@ -566,8 +567,9 @@ void decode_attention<Variant>::operator()(const Prompt& prompt,
                 "decode_attention: the prompt must be lynx::no_prompt, a "
                 "lynx::bitplane_view<Plan, G, host_space>, a lynx::code_view<Plan, G> "
                 "or a lynx::dense_prompt<T> (T = float or bf16)");
-  static_assert(std::is_same_v<TailT, float> || std::is_same_v<TailT, bf16>,
-                "decode_attention: the tail holds float or bf16");
+  static_assert(
+      std::is_same_v<TailT, float> || std::is_same_v<TailT, bf16> || std::is_same_v<TailT, fp16>,
+      "decode_attention: the tail holds float, bf16 or fp16");
   const attention_problem p = problem(prompt, tail_keys, q, vis);
   validate(prompt, tail_keys, tail_values, q, vis, out, p);
   const std::size_t need = attention_workspace::bytes_needed(p, options.threads);

@@ -17,8 +17,8 @@
 // Each macro takes EXT: `extern` to declare, empty to define (src/kernels).
 #pragma once
 
-/// decode_attention<default_variant> over bitplane_view<PLAN, G> and
-/// code_view<PLAN, G> prompts, float and bf16 tails.
+/// decode_attention<default_variant> over bitplane_view<PLAN, G> (float, bf16 and
+/// fp16 tails) and code_view<PLAN, G> prompts (float and bf16 tails).
 #define LYNX_KERNELS_ATTENTION_CALL(EXT, TAIL, ...)                                            \
   EXT template void ::lynx::decode_attention<::lynx::default_variant>::operator()<__VA_ARGS__, \
                                                                                   TAIL>(       \
@@ -32,18 +32,21 @@
                               ::lynx::bitplane_view<::lynx::PLAN, G, ::lynx::host_space>) \
   LYNX_KERNELS_ATTENTION_CALL(EXT, ::lynx::bf16,                                          \
                               ::lynx::bitplane_view<::lynx::PLAN, G, ::lynx::host_space>) \
+  LYNX_KERNELS_ATTENTION_CALL(EXT, ::lynx::fp16,                                          \
+                              ::lynx::bitplane_view<::lynx::PLAN, G, ::lynx::host_space>) \
   LYNX_KERNELS_ATTENTION_CALL(EXT, float, ::lynx::code_view<::lynx::PLAN, G>)             \
   LYNX_KERNELS_ATTENTION_CALL(EXT, ::lynx::bf16, ::lynx::code_view<::lynx::PLAN, G>)
 
 /// decode_attention<default_variant> over no prompt and dense float / bf16 prompts
-/// (the 16-bit baselines), float and bf16 tails.
+/// (the 16-bit baselines), float and bf16 tails; over no prompt, an fp16 tail.
 #define LYNX_KERNELS_ATTENTION_DENSE_TAIL(EXT, TAIL)                  \
   LYNX_KERNELS_ATTENTION_CALL(EXT, TAIL, ::lynx::no_prompt)           \
   LYNX_KERNELS_ATTENTION_CALL(EXT, TAIL, ::lynx::dense_prompt<float>) \
   LYNX_KERNELS_ATTENTION_CALL(EXT, TAIL, ::lynx::dense_prompt<::lynx::bf16>)
-#define LYNX_KERNELS_ATTENTION_DENSE(EXT)       \
-  LYNX_KERNELS_ATTENTION_DENSE_TAIL(EXT, float) \
-  LYNX_KERNELS_ATTENTION_DENSE_TAIL(EXT, ::lynx::bf16)
+#define LYNX_KERNELS_ATTENTION_DENSE(EXT)              \
+  LYNX_KERNELS_ATTENTION_DENSE_TAIL(EXT, float)        \
+  LYNX_KERNELS_ATTENTION_DENSE_TAIL(EXT, ::lynx::bf16) \
+  LYNX_KERNELS_ATTENTION_CALL(EXT, ::lynx::fp16, ::lynx::no_prompt)
 
 /// encode_into and reconstruct (of a view) for one element type.
 #define LYNX_KERNELS_CODEC_TYPE(EXT, PLAN, G, T)                                                  \

@@ -33,6 +33,7 @@ bool avx512_supports(const code_kv_source<View>& src) {
 }
 template <class T>
 bool avx512_supports(const dense_kv_source<T>& src) {
+  if constexpr (std::is_same_v<T, fp16>) return false;  // fp16 rows: the portable loops
   // bf16 keys: the permuted queries of score_tokens_bf16_avx512 must fit its scratch
   return src.head_dim() % 16 == 0 && src.keys.channel_stride == 1 &&
          src.values.channel_stride == 1 &&
@@ -186,6 +187,7 @@ LYNX_ATTENTION_FMA_CLONE void compute_split_portable_fma(
 /// bf16: the permuted queries must fit the value weight scratch (score_tokens_avx2).
 template <class T>
 bool avx2_supports(const dense_kv_source<T>& src) {
+  if constexpr (std::is_same_v<T, fp16>) return false;  // fp16 rows: the portable loops
   return src.head_dim() % (std::is_same_v<T, bf16> ? 32 : 16) == 0 &&
          src.keys.channel_stride == 1 && src.values.channel_stride == 1 &&
          (!std::is_same_v<T, bf16> || src.head_dim() <= attention_split_tokens);
@@ -234,10 +236,10 @@ LYNX_ATTENTION_FMA_CLONE void compute_split_avx2(const Source& src, std::int64_t
 /// One split walked as `walk` says (the AVX-512 kernels fall back to nothing:
 /// the caller picks host_walk::avx512 only where avx512_supports).
 template <class Source, class Variant>
-void compute_split(const Source& src, std::int64_t kv_head, const float* q, int heads,
-                   std::int64_t t0, std::int64_t t1, std::int64_t first_visible,
-                   const Variant& variant, host_walk walk, const split_scratch& w, float* m,
-                   float* l, float* acc, const next_split& next = {}) {
+void compute_split_kernels(const Source& src, std::int64_t kv_head, const float* q, int heads,
+                           std::int64_t t0, std::int64_t t1, std::int64_t first_visible,
+                           const Variant& variant, host_walk walk, const split_scratch& w, float* m,
+                           float* l, float* acc, const next_split& next = {}) {
   (void)next;
 #if LYNX_ATTENTION_AVX512
   if (walk == host_walk::avx512) {
@@ -272,6 +274,37 @@ void compute_split(const Source& src, std::int64_t kv_head, const float* q, int 
 #endif
   compute_split_portable_unfused(src, kv_head, q, heads, t0, t1, first_visible, variant, w, m, l,
                                  acc);
+}
+
+/// fp16 rows (a tail): the AVX-512 and AVX2 dense kernels read float and bf16, so
+/// the portable loops read them, as the floats they widen to and in the order every
+/// walk sums float rows: the bits of a float tail holding the widened values.
+template <class Source>
+inline constexpr bool fp16_rows = false;
+template <>
+inline constexpr bool fp16_rows<dense_kv_source<fp16>> = true;
+
+template <class Source, class Variant>
+void compute_split(const Source& src, std::int64_t kv_head, const float* q, int heads,
+                   std::int64_t t0, std::int64_t t1, std::int64_t first_visible,
+                   const Variant& variant, host_walk walk, const split_scratch& w, float* m,
+                   float* l, float* acc, const next_split& next = {}) {
+  if constexpr (fp16_rows<Source>) {
+#if LYNX_ATTENTION_AVX512
+    if (walk != host_walk::baseline) {
+      compute_split_portable_fma(src, kv_head, q, heads, t0, t1, first_visible, variant, w, m, l,
+                                 acc);
+      return;
+    }
+#endif
+    (void)walk;
+    (void)next;
+    compute_split_portable_unfused(src, kv_head, q, heads, t0, t1, first_visible, variant, w, m, l,
+                                   acc);
+  } else {
+    compute_split_kernels(src, kv_head, q, heads, t0, t1, first_visible, variant, walk, w, m, l,
+                          acc, next);
+  }
 }
 
 /// Whether a dense prompt's splits are walked for several kv heads at once

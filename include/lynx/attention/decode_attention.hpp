@@ -313,6 +313,8 @@ class decode_attention {
                                                " but the prompt has head_dim " +
                                                std::to_string(prompt.geometry.head_dim));
     } else if constexpr (!std::is_same_v<Prompt, no_prompt>) {
+      detail::check_paging(prompt.keys, "attention: prompt keys");
+      detail::check_paging(prompt.values, "attention: prompt values");
       if (!(prompt.keys.shape == prompt.values.shape))
         detail::fail(errc::shape_mismatch, "attention: prompt keys " +
                                                to_string(prompt.keys.shape) + " and values " +
@@ -327,6 +329,8 @@ class decode_attention {
       detail::fail(errc::shape_mismatch, "attention: q_heads " + std::to_string(q.q_heads) +
                                              " is not a multiple of kv_heads " +
                                              std::to_string(p.kv_heads));
+    detail::check_paging(tk, "attention: tail keys");
+    detail::check_paging(tv, "attention: tail values");
     const bool tail_used = p.max_tail_visible > 0 || tk.shape.tokens > 0;
     detail::check_tail(q, p.kv_heads, tk.shape, tv.shape, tail_used);
     if (q.count > 0) {

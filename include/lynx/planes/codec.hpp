@@ -87,6 +87,8 @@ void check_input_views(const kv_view<const T, host_space>& keys,
           "encode: null K or V data");
   require(keys.shape == values.shape, errc::shape_mismatch,
           "K has shape " + to_string(keys.shape) + " but V has shape " + to_string(values.shape));
+  check_paging(keys, "encode: K");
+  check_paging(values, "encode: V");
 }
 
 inline void check_output_spans(const layer_geometry& g, std::span<const std::span<std::byte>> out) {
@@ -444,6 +446,8 @@ void reconstruct(const bitplane_view<Plan, G, host_space>& v, kv_view<T, host_sp
                   errc::shape_mismatch,
                   "reconstruct: outputs " + to_string(keys_out.shape) + " / " +
                       to_string(values_out.shape) + ", the layer is " + to_string(g.shape()));
+  detail::check_paging(keys_out, "reconstruct: K output");
+  detail::check_paging(values_out, "reconstruct: V output");
   constexpr int B = Plan::bits;
   const int P = v.planes();
   const float half = midpoint_offset<B>(P);

@@ -602,6 +602,8 @@ attention_launch_shape check_call(std::int64_t prompt_tokens, std::int64_t promp
                                   const kv_view<const TailT, device_space>& tv,
                                   const attention_queries& q, tail_visibility vis) {
   using lynx::detail::require;
+  require(!tk.paged() && !tv.paged(), errc::invalid_argument,
+          "cuda attention: a paged tail is read by the host attention only (yet)");
   require(q.count >= 0 && q.q_heads >= 1 && q.head_dim >= 1, errc::shape_mismatch,
           "cuda attention: queries need q_heads >= 1 and head_dim >= 1, got count=" +
               std::to_string(q.count) + " q_heads=" + std::to_string(q.q_heads) +
@@ -786,6 +788,9 @@ class decode_attention {
                                          kv_view<const TailT, device_space> tk,
                                          kv_view<const TailT, device_space> tv,
                                          const attention_queries& q, tail_visibility vis) {
+    lynx::detail::require(!prompt.keys.paged() && !prompt.values.paged(), errc::invalid_argument,
+                          "cuda attention: a paged dense prompt is read by the host attention "
+                          "only (yet)");
     lynx::detail::require(prompt.keys.shape == prompt.values.shape, errc::shape_mismatch,
                           "cuda attention: prompt keys " + to_string(prompt.keys.shape) +
                               " and values " + to_string(prompt.values.shape) + " differ");

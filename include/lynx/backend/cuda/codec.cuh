@@ -424,6 +424,8 @@ void check_device_inputs(const kv_view<const T, device_space>& keys,
                          const kv_view<const T, device_space>& values) {
   lynx::detail::require(keys.data != nullptr && values.data != nullptr, errc::invalid_argument,
                         "cuda::encode: null K or V data");
+  lynx::detail::require(!keys.paged() && !values.paged(), errc::invalid_argument,
+                        "cuda::encode: paged K/V views are read by the host codecs only (yet)");
   lynx::detail::require(
       keys.shape == values.shape, errc::shape_mismatch,
       "K has shape " + to_string(keys.shape) + " but V has shape " + to_string(values.shape));

@@ -31,7 +31,11 @@ LYNX_CODEC_AVX512_TARGET void encode_unit(const kv_view<const T, host_space>& ke
                                           ValuePlanes&& value_planes, const next_rows<T>& next,
                                           encode_scratch& s) {
   if constexpr (std::is_same_v<T, bf16> && Bits == 8) {
-    if (bf16_block_fits(g) && u1 - u0 == tokens_per_word) {
+    // (its row pointers step by token_stride through the block: a paged view
+    // qualifies with blocks of a multiple of 32 tokens)
+    if (bf16_block_fits(g) && u1 - u0 == tokens_per_word &&
+        keys.rows_even_in_runs_of(tokens_per_word) &&
+        values.rows_even_in_runs_of(tokens_per_word)) {
       encode_bf16_block(keys, values, h, u0, key_scale_head, key_zero_head, value_scale_head,
                         value_zero_head, key_planes, value_planes, next, s);
       return;

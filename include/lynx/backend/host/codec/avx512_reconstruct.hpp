@@ -23,8 +23,11 @@ namespace lynx::detail::simd {
 template <class T>
 bool reconstruct_supported(const kv_view<T, host_space>& keys_out,
                            const kv_view<T, host_space>& values_out, const layer_geometry& g) {
+  // Rows step by token_stride through each 32-token block: a paged output
+  // qualifies with blocks of a multiple of 32 tokens.
   return keys_out.channel_stride == 1 && values_out.channel_stride == 1 && g.head_dim % 16 == 0 &&
-         g.value_group % 16 == 0;
+         g.value_group % 16 == 0 && keys_out.rows_even_in_runs_of(tokens_per_word) &&
+         values_out.rows_even_in_runs_of(tokens_per_word);
 }
 
 // Byte network, 8x8 bit transpose and network back: plane words v[j] (16

@@ -39,8 +39,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <span>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #include "lynx/attention/code_tensor.hpp"
 #include "lynx/attention/tile_math.hpp"
@@ -194,6 +196,18 @@ struct prompt_traits<dense_prompt<T>> {
 template <class P>
 concept host_attention_prompt = detail::prompt_traits<std::remove_cvref_t<P>>::valid;
 
+/// One request of a batched call (decode_attention::batch): its prompt (a
+/// bit-plane view at that request's own precision level, say), its local tail
+/// (paged or not), its queries and where its results go.
+template <class Prompt, class TailT>
+struct attention_request {
+  Prompt prompt{};
+  kv_view<const TailT, host_space> tail_keys{}, tail_values{};
+  attention_queries queries{};
+  tail_visibility visible{};
+  attention_output out{};
+};
+
 /// Caller-owned scratch of the attention: sized once (not on the hot path),
 /// then reused by every call whose problem fits.
 class attention_workspace {
@@ -209,8 +223,9 @@ class attention_workspace {
     return static_cast<std::size_t>((p.partial_floats() + 16 + per_thread * t) * 4);
   }
   /// Grows the buffer to fit (allocates only when it is too small).
-  void reserve(const attention_problem& p, int threads) {
-    const std::size_t n = bytes_needed(p, threads);
+  void reserve(const attention_problem& p, int threads) { reserve_bytes(bytes_needed(p, threads)); }
+  /// Grows the buffer to `n` bytes (decode_attention::batch_bytes for a batched call).
+  void reserve_bytes(std::size_t n) {
     if (n > buffer_.size()) buffer_ = aligned_buffer(n);
   }
   [[nodiscard]] std::size_t size() const noexcept { return buffer_.size(); }
@@ -286,6 +301,35 @@ class decode_attention {
                   tail_visibility vis, attention_output out, attention_workspace& ws,
                   const attention_options& options = {}) const;
 
+  /// Workspace bytes of a batched call with `threads` threads (<= 0: every hardware thread).
+  template <class Prompt, class TailT>
+  static std::size_t batch_bytes(std::span<const attention_request<Prompt, TailT>> requests,
+                                 int threads) {
+    const int t = threads <= 0 ? detail::hardware_threads() : threads;
+    std::int64_t partials = 0, per_thread = 0;
+    for (const auto& r : requests) {
+      const attention_problem p = problem(r.prompt, r.tail_keys, r.queries, r.visible);
+      partials += p.partial_floats() + 16;
+      per_thread =
+          std::max(per_thread, detail::split_scratch_floats(p.group_heads(), p.head_dim,
+                                                            p.value_groups, p.item_kv_heads) +
+                                   64);
+    }
+    return static_cast<std::size_t>((partials + 16 + per_thread * t) * 4);
+  }
+
+  /// Many requests in one call: the work items of all of them run in one pool
+  /// of workers, and each request's outputs are the bits its own call would
+  /// give (every item is computed as in that call, and each request's partial
+  /// states merge in its own context order), whatever else shares the batch.
+  /// Requests may differ in query count, prompt length and level, tail and
+  /// visibility. Size the workspace with batch_bytes. A request that fails its
+  /// checks is named in the error ("attention batch: request 3: ...") and
+  /// nothing is computed.
+  template <class Prompt, class TailT>
+  void batch(std::span<const attention_request<Prompt, TailT>> requests, attention_workspace& ws,
+             const attention_options& options = {}) const;
+
  private:
   template <class Prompt, class TailT>
   static void validate(const Prompt& prompt, const kv_view<const TailT, host_space>& tk,
@@ -349,132 +393,165 @@ class decode_attention {
       detail::fail(errc::invalid_argument, "attention: null tail data");
   }
 
+  /// One call's work as the workers walk it: its problem, sources, walks and
+  /// where its partial states go. run() walks one; batch() the items of many in
+  /// one pool, each item computed exactly as in its own call.
   template <class Source, class TailT>
-  void run(const attention_problem& p, const Source* prompt_src,
-           kv_view<const TailT, host_space> tail_keys, kv_view<const TailT, host_space> tail_values,
-           const attention_queries& q, tail_visibility vis, attention_output out,
-           attention_workspace& ws, const attention_options& options, bool simd,
-           detail::host_walk fallback) const {
-    const int D = static_cast<int>(p.head_dim);
-    const int heads = static_cast<int>(p.group_heads());
-    const std::int64_t splits = p.splits(), prompt_splits = p.prompt_splits();
-    const detail::dense_kv_source<TailT> tail{tail_keys, tail_values};
-    const bool prompt_simd = simd && prompt_src != nullptr && detail::avx512_supports(*prompt_src);
-    const bool tail_simd = simd && p.max_tail_visible > 0 && detail::avx512_supports(tail);
-    const detail::host_walk prompt_walk = prompt_simd ? detail::host_walk::avx512 : fallback,
-                            tail_walk = tail_simd ? detail::host_walk::avx512 : fallback;
-    const float qscale = variant.query_scale(D);
-    const std::int64_t window = variant.window();
-    float* partials = ws.data();
-    const std::int64_t stride_state = D + 2;
-    float* scratch_base = partials + p.partial_floats() + 16;
-    const int threads = options.threads <= 0 ? detail::hardware_threads() : options.threads;
+  struct job {
+    attention_problem p;
+    const Source* prompt_src = nullptr;
+    detail::dense_kv_source<TailT> tail;
+    attention_queries q;
+    tail_visibility vis;
+    attention_output out;
+    detail::host_walk prompt_walk = detail::host_walk::baseline,
+                      tail_walk = detail::host_walk::baseline;
+    std::int64_t gk = 1, chunks = 1, splits = 0, prompt_splits = 0, items = 0;
+    float* partials = nullptr;
+    [[nodiscard]] std::int64_t scratch_floats() const {
+      return detail::split_scratch_floats(p.group_heads(), p.head_dim, p.value_groups, gk) + 64;
+    }
+  };
 
+  template <class Source, class TailT>
+  job<Source, TailT> make_job(const attention_problem& p, const Source* prompt_src,
+                              kv_view<const TailT, host_space> tail_keys,
+                              kv_view<const TailT, host_space> tail_values,
+                              const attention_queries& q, tail_visibility vis, attention_output out,
+                              int threads, bool simd, detail::host_walk fallback,
+                              float* partials) const {
+    job<Source, TailT> j;
+    j.p = p;
+    j.prompt_src = prompt_src;
+    j.tail = {tail_keys, tail_values};
+    j.q = q;
+    j.vis = vis;
+    j.out = out;
+    j.partials = partials;
+    const int heads = static_cast<int>(p.group_heads());
+    j.splits = p.splits();
+    j.prompt_splits = p.prompt_splits();
+    const bool prompt_simd = simd && prompt_src != nullptr && detail::avx512_supports(*prompt_src);
+    const bool tail_simd = simd && p.max_tail_visible > 0 && detail::avx512_supports(j.tail);
+    j.prompt_walk = prompt_simd ? detail::host_walk::avx512 : fallback;
+    j.tail_walk = tail_simd ? detail::host_walk::avx512 : fallback;
     // Work items: (query, split, kv heads) or (query, kv head, split). A dense bf16
     // token-major prompt on the AVX-512 path is walked gk kv heads per item (the
     // rows of a token together, front to back), gk as large as keeps two items per
-    // thread; everything else one kv head per item.
-    std::int64_t gk = 1;
+    // thread; everything else one kv head per item. (gk changes which worker
+    // computes what, never a result.)
     if constexpr (std::is_same_v<Source, detail::dense_kv_source<bf16>>) {
       if (prompt_simd &&
           detail::dense_heads_together(prompt_src->keys, prompt_src->values, heads)) {
         std::int64_t parts = 1;
-        while (parts < p.kv_heads && q.count * splits * parts < 2 * threads) parts *= 2;
-        gk = std::min(p.item_kv_heads, ceil_div(p.kv_heads, parts));
+        while (parts < p.kv_heads && q.count * j.splits * parts < 2 * threads) parts *= 2;
+        j.gk = std::min(p.item_kv_heads, ceil_div(p.kv_heads, parts));
       }
     }
-    const std::int64_t chunks = ceil_div(p.kv_heads, gk);
-    const std::int64_t per_thread = detail::split_scratch_floats(heads, D, p.value_groups, gk) + 64;
+    j.chunks = ceil_div(p.kv_heads, j.gk);
+    j.items = q.count * j.chunks * j.splits;
+    return j;
+  }
 
+  /// Work item `item` of job `j` with a worker's scratch; `end`: the end of the
+  /// worker's run of items of this job (for the prefetch of the next split).
+  template <class Source, class TailT>
+  void run_item(const job<Source, TailT>& j, std::int64_t item, std::int64_t end,
+                const detail::split_scratch& w) const {
+    const attention_problem& p = j.p;
+    const attention_queries& q = j.q;
+    const int D = static_cast<int>(p.head_dim);
+    const int heads = static_cast<int>(p.group_heads());
+    const std::int64_t splits = j.splits, prompt_splits = j.prompt_splits, chunks = j.chunks,
+                       gk = j.gk;
+    const float qscale = variant.query_scale(D);
+    const std::int64_t window = variant.window();
+    const std::int64_t stride_state = D + 2;
+    const std::int64_t stride_g = splits * heads * stride_state;  // between kv heads' states
     // Which item runs where never changes what it computes; the order only
     // serves the memory walk. A dense token-major cache: kv heads fastest, so
     // consecutive items read the same tokens' rows (pages stay in the TLB).
     // A bit-plane prompt keeps each kv head's planes and parameters in
     // contiguous sections: split fastest, so a worker streams through them
     // front to back and the hardware prefetchers follow.
-    constexpr bool split_fastest = requires { prompt_src->view; };
-    const std::int64_t items = q.count * chunks * splits;
-    const std::int64_t stride_g = splits * heads * stride_state;  // between kv heads' states
-    detail::parallel_for(
-        threads, threads,
-        [&](std::int64_t w0, std::int64_t w1) {
-          for (std::int64_t worker = w0; worker < w1; ++worker) {
-            const detail::split_scratch w = detail::carve_scratch(
-                scratch_base + worker * per_thread, heads, D, p.value_groups, gk);
-            const std::int64_t i0 = items * worker / threads, i1 = items * (worker + 1) / threads;
-            for (std::int64_t item = i0; item < i1; ++item) {
-              const std::int64_t i = item / (chunks * splits);
-              const std::int64_t s = split_fastest ? item % splits : (item / chunks) % splits;
-              const std::int64_t c = split_fastest ? (item / splits) % chunks : item % chunks;
-              const std::int64_t g0 = c * gk, gn = std::min(gk, p.kv_heads - g0);
-              float* state0 =
-                  partials + ((i * p.kv_heads + g0) * splits + s) * heads * stride_state;
-              const std::int64_t visible = vis(i);
-              const std::int64_t qpos = p.prompt_tokens + visible - 1;
-              const std::int64_t first_pos = window > 0 ? qpos - window + 1 : 0;
-              const std::int64_t q0 = (i * q.q_heads + g0 * heads) * D, qn = gn * heads * D;
-              float* qsc = w.queries;  // [gn][heads][D]
-              if (q.data != nullptr)
-                for (std::int64_t k = 0; k < qn; ++k) qsc[k] = q.data[q0 + k] * qscale;
-              else
-                for (std::int64_t k = 0; k < qn; ++k) qsc[k] = q.at(q0 + k) * qscale;
-              std::int64_t t0, t1, first_visible;
-              const bool in_prompt = s < prompt_splits;
-              if (in_prompt) {
-                t0 = s * attention_split_tokens;
-                t1 = std::min(p.prompt_tokens, t0 + attention_split_tokens);
-                first_visible = first_pos;
-              } else {
-                t0 = (s - prompt_splits) * attention_split_tokens;
-                t1 = std::min(visible, t0 + attention_split_tokens);
-                first_visible = first_pos - p.prompt_tokens;
-              }
-              if (t1 <= t0 || first_visible >= t1) {
-                for (std::int64_t j = 0; j < gn; ++j)
-                  for (int h = 0; h < heads; ++h) {
-                    state0[j * stride_g + h] = attention_neg_inf;
-                    state0[j * stride_g + heads + h] = 0.0f;
-                  }
-                continue;
-              }
+    constexpr bool split_fastest = requires { j.prompt_src->view; };
+    const std::int64_t i = item / (chunks * splits);
+    const std::int64_t s = split_fastest ? item % splits : (item / chunks) % splits;
+    const std::int64_t c = split_fastest ? (item / splits) % chunks : item % chunks;
+    const std::int64_t g0 = c * gk, gn = std::min(gk, p.kv_heads - g0);
+    float* state0 = j.partials + ((i * p.kv_heads + g0) * splits + s) * heads * stride_state;
+    const std::int64_t visible = j.vis(i);
+    const std::int64_t qpos = p.prompt_tokens + visible - 1;
+    const std::int64_t first_pos = window > 0 ? qpos - window + 1 : 0;
+    const std::int64_t q0 = (i * q.q_heads + g0 * heads) * D, qn = gn * heads * D;
+    float* qsc = w.queries;  // [gn][heads][D]
+    if (q.data != nullptr)
+      for (std::int64_t k = 0; k < qn; ++k) qsc[k] = q.data[q0 + k] * qscale;
+    else
+      for (std::int64_t k = 0; k < qn; ++k) qsc[k] = q.at(q0 + k) * qscale;
+    std::int64_t t0, t1, first_visible;
+    const bool in_prompt = s < prompt_splits;
+    if (in_prompt) {
+      t0 = s * attention_split_tokens;
+      t1 = std::min(p.prompt_tokens, t0 + attention_split_tokens);
+      first_visible = first_pos;
+    } else {
+      t0 = (s - prompt_splits) * attention_split_tokens;
+      t1 = std::min(visible, t0 + attention_split_tokens);
+      first_visible = first_pos - p.prompt_tokens;
+    }
+    if (t1 <= t0 || first_visible >= t1) {
+      for (std::int64_t k = 0; k < gn; ++k)
+        for (int h = 0; h < heads; ++h) {
+          state0[k * stride_g + h] = attention_neg_inf;
+          state0[k * stride_g + heads + h] = 0.0f;
+        }
+      return;
+    }
 #if LYNX_ATTENTION_AVX512
-              if constexpr (std::is_same_v<Source, detail::dense_kv_source<bf16>>) {
-                if (in_prompt && gk > 1) {
-                  detail::compute_split_heads(*prompt_src, g0, static_cast<int>(gn), qsc, heads, t0,
-                                              t1, first_visible, variant, w, state0, stride_g);
-                  continue;
-                }
-              }
+    if constexpr (std::is_same_v<Source, detail::dense_kv_source<bf16>>) {
+      if (in_prompt && gk > 1) {
+        detail::compute_split_heads(*j.prompt_src, g0, static_cast<int>(gn), qsc, heads, t0, t1,
+                                    first_visible, variant, w, state0, stride_g);
+        return;
+      }
+    }
 #endif
-              for (std::int64_t j = 0; j < gn; ++j) {
-                const std::int64_t g = g0 + j;
-                float* state = state0 + j * stride_g;
-                float* m = state;                // [heads]
-                float* l = state + heads;        // [heads]
-                float* acc = state + 2 * heads;  // [heads][D]
-                const float* qg = qsc + j * heads * D;
-                if (in_prompt) {
-                  detail::next_split next{};  // the prompt split this worker walks next, if any
-                  if constexpr (split_fastest) {
-                    const std::int64_t s2 = (item + 1) % splits;
-                    if (item + 1 < i1 && s2 < prompt_splits)  // kv head of the next item
-                      next = {((item + 1) / splits) % chunks, s2 * attention_split_tokens,
-                              std::min(p.prompt_tokens, (s2 + 1) * attention_split_tokens)};
-                  }
-                  detail::compute_split(*prompt_src, g, qg, heads, t0, t1, first_visible, variant,
-                                        prompt_walk, w, m, l, acc, next);
-                } else {
-                  detail::compute_split(tail, g, qg, heads, t0, t1, first_visible, variant,
-                                        tail_walk, w, m, l, acc);
-                }
-              }
-            }
-          }
-        },
-        options.executor);
-    // combine in context order: prompt splits, then tail splits
-    std::int64_t first_bad = -1;      // (query, q head) of the first output that is not finite
-    float* const row = scratch_base;  // a bf16/fp16 output's float row (the workers are done)
+    for (std::int64_t k = 0; k < gn; ++k) {
+      const std::int64_t g = g0 + k;
+      float* state = state0 + k * stride_g;
+      float* m = state;                // [heads]
+      float* l = state + heads;        // [heads]
+      float* acc = state + 2 * heads;  // [heads][D]
+      const float* qg = qsc + k * heads * D;
+      if (in_prompt) {
+        detail::next_split next{};  // the prompt split this worker walks next, if any
+        if constexpr (split_fastest) {
+          const std::int64_t s2 = (item + 1) % splits;
+          if (item + 1 < end && s2 < prompt_splits)  // kv head of the next item
+            next = {((item + 1) / splits) % chunks, s2 * attention_split_tokens,
+                    std::min(p.prompt_tokens, (s2 + 1) * attention_split_tokens)};
+        }
+        detail::compute_split(*j.prompt_src, g, qg, heads, t0, t1, first_visible, variant,
+                              j.prompt_walk, w, m, l, acc, next);
+      } else {
+        detail::compute_split(j.tail, g, qg, heads, t0, t1, first_visible, variant, j.tail_walk, w,
+                              m, l, acc);
+      }
+    }
+  }
+
+  /// Merges a job's partial states in context order (prompt splits, then tail
+  /// splits) into its outputs; `row`: D floats of scratch (the workers are done).
+  template <class Source, class TailT>
+  void combine(const job<Source, TailT>& j, float* row) const {
+    const attention_problem& p = j.p;
+    const attention_queries& q = j.q;
+    const attention_output& out = j.out;
+    const int D = static_cast<int>(p.head_dim);
+    const int heads = static_cast<int>(p.group_heads());
+    const std::int64_t splits = j.splits, stride_state = D + 2;
+    std::int64_t first_bad = -1;  // (query, q head) of the first output that is not finite
     for (std::int64_t i = 0; i < q.count; ++i)
       for (std::int64_t g = 0; g < p.kv_heads; ++g)
         for (int h = 0; h < heads; ++h) {
@@ -484,7 +561,7 @@ class decode_attention {
           for (int c = 0; c < D; ++c) o[c] = 0.0f;
           for (std::int64_t s = 0; s < splits; ++s) {
             const float* state =
-                partials + ((i * p.kv_heads + g) * splits + s) * heads * stride_state;
+                j.partials + ((i * p.kv_heads + g) * splits + s) * heads * stride_state;
             merge_partial_state(mm, ll, o, state[h], state[heads + h], state + 2 * heads + h * D,
                                 D);
           }
@@ -508,7 +585,35 @@ class decode_attention {
             out.lse[i * q.q_heads + g * heads + h] = (mm + std::log2(ll)) * attention_ln2;
         }
     if (first_bad >= 0) [[unlikely]]
-      report_non_finite(p, prompt_src, tail_keys, tail_values, q, vis, first_bad);
+      report_non_finite(p, j.prompt_src, j.tail.keys, j.tail.values, q, j.vis, first_bad);
+  }
+
+  template <class Source, class TailT>
+  void run(const attention_problem& p, const Source* prompt_src,
+           kv_view<const TailT, host_space> tail_keys, kv_view<const TailT, host_space> tail_values,
+           const attention_queries& q, tail_visibility vis, attention_output out,
+           attention_workspace& ws, const attention_options& options, bool simd,
+           detail::host_walk fallback) const {
+    const int threads = options.threads <= 0 ? detail::hardware_threads() : options.threads;
+    float* partials = ws.data();
+    const job<Source, TailT> j = make_job(p, prompt_src, tail_keys, tail_values, q, vis, out,
+                                          threads, simd, fallback, partials);
+    const int heads = static_cast<int>(p.group_heads());
+    float* scratch_base = partials + p.partial_floats() + 16;
+    const std::int64_t per_thread = j.scratch_floats();
+    const std::int64_t items = j.items;
+    detail::parallel_for(
+        threads, threads,
+        [&](std::int64_t w0, std::int64_t w1) {
+          for (std::int64_t worker = w0; worker < w1; ++worker) {
+            const detail::split_scratch w = detail::carve_scratch(
+                scratch_base + worker * per_thread, heads, p.head_dim, p.value_groups, j.gk);
+            const std::int64_t i0 = items * worker / threads, i1 = items * (worker + 1) / threads;
+            for (std::int64_t item = i0; item < i1; ++item) run_item(j, item, i1, w);
+          }
+        },
+        options.executor);
+    combine(j, scratch_base);
   }
 
   /// The first NaN or infinity of `x` at kv head g, tokens [0, tokens), else nothing.
@@ -615,6 +720,147 @@ void decode_attention<Variant>::operator()(const Prompt& prompt,
     using T = std::remove_const_t<typename decltype(prompt.keys)::element_type>;
     const detail::dense_kv_source<T> src{prompt.keys, prompt.values};
     run(p, &src, tail_keys, tail_values, q, vis, out, ws, options, simd, fallback);
+  }
+}
+
+namespace detail {
+
+/// The source a prompt type is walked through (batch).
+template <class Prompt, class TailT>
+struct attention_source;
+template <class TailT>
+struct attention_source<no_prompt, TailT> {
+  using type = dense_kv_source<TailT>;  // unused: no prompt
+  static constexpr bool present = false;
+  static type make(const no_prompt&) { return {}; }
+};
+template <stream_plan_type Plan, int G, class TailT>
+struct attention_source<bitplane_view<Plan, G, host_space>, TailT> {
+  using type = plane_kv_source<Plan, G>;
+  static constexpr bool present = true;
+  static type make(const bitplane_view<Plan, G, host_space>& v) { return {v, v.planes()}; }
+};
+template <stream_plan_type Plan, int G, class TailT>
+struct attention_source<code_view<Plan, G>, TailT> {
+  using type = code_kv_source<code_view<Plan, G>>;
+  static constexpr bool present = true;
+  static type make(const code_view<Plan, G>& v) { return {v}; }
+};
+template <class T, class TailT>
+struct attention_source<dense_prompt<T>, TailT> {
+  using type = dense_kv_source<T>;
+  static constexpr bool present = true;
+  static type make(const dense_prompt<T>& d) { return {d.keys, d.values}; }
+};
+
+/// "lynx: code: message" -> "message".
+inline std::string error_message(const error& e) {
+  const std::string w = e.what();
+  const auto at = w.find(": ", 6);
+  return at == std::string::npos ? w : w.substr(at + 2);
+}
+
+}  // namespace detail
+
+template <class Variant>
+template <class Prompt, class TailT>
+void decode_attention<Variant>::batch(std::span<const attention_request<Prompt, TailT>> requests,
+                                      attention_workspace& ws,
+                                      const attention_options& options) const {
+  static_assert(host_attention_prompt<Prompt>,
+                "decode_attention::batch: the prompt must be lynx::no_prompt, a "
+                "lynx::bitplane_view<Plan, G, host_space>, a lynx::code_view<Plan, G> "
+                "or a lynx::dense_prompt<T> (T = float or bf16)");
+  static_assert(
+      std::is_same_v<TailT, float> || std::is_same_v<TailT, bf16> || std::is_same_v<TailT, fp16>,
+      "decode_attention::batch: the tail holds float, bf16 or fp16");
+  using source = detail::attention_source<Prompt, TailT>;
+  using source_t = typename source::type;
+  using job_t = job<source_t, TailT>;
+  const std::size_t n = requests.size();
+  std::vector<attention_problem> problems(n);
+  for (std::size_t r = 0; r < n; ++r) {
+    const auto& req = requests[r];
+    try {
+      problems[r] = problem(req.prompt, req.tail_keys, req.queries, req.visible);
+      validate(req.prompt, req.tail_keys, req.tail_values, req.queries, req.visible, req.out,
+               problems[r]);
+    } catch (const error& e) {
+      detail::fail(e.code(), "attention batch: request " + std::to_string(r) + ": " +
+                                 detail::error_message(e));
+    }
+  }
+  const std::size_t need = batch_bytes(requests, options.threads);
+  if (!(ws.size() >= need))
+    detail::fail(errc::invalid_argument,
+                 "attention batch: workspace of " + std::to_string(ws.size()) +
+                     " bytes, this batch needs " + std::to_string(need) +
+                     " (size it with attention_workspace::reserve_bytes(batch_bytes(...)))");
+  const bool simd =
+      (options.path == attention_path::automatic || options.path == attention_path::avx512) &&
+      detail::host_has_avx512();
+  if (options.path == attention_path::avx512 && !detail::host_has_avx512())
+    detail::fail(errc::invalid_argument,
+                 "attention: AVX-512 path requested on a CPU without AVX-512F/BW");
+  if (options.path == attention_path::avx2 && !detail::host_has_fma())
+    detail::fail(errc::invalid_argument,
+                 "attention: AVX2 path requested on a CPU without AVX2 and FMA");
+  const detail::host_walk fallback =
+      options.path == attention_path::portable_baseline || !detail::host_has_fma()
+          ? detail::host_walk::baseline
+      : options.path == attention_path::avx2 || options.path == attention_path::automatic
+          ? detail::host_walk::avx2
+          : detail::host_walk::fma;
+  const int threads = options.threads <= 0 ? detail::hardware_threads() : options.threads;
+
+  std::vector<source_t> sources;
+  sources.reserve(n);
+  std::vector<job_t> jobs;
+  jobs.reserve(n);
+  std::vector<std::int64_t> first_item(n + 1, 0);  // global index of each job's first item
+  float* partials = ws.data();
+  std::int64_t per_thread = 0;
+  for (std::size_t r = 0; r < n; ++r) {
+    const auto& req = requests[r];
+    sources.push_back(source::make(req.prompt));
+    const source_t* src = source::present ? &sources.back() : nullptr;
+    jobs.push_back(make_job(problems[r], src, req.tail_keys, req.tail_values, req.queries,
+                            req.visible, req.out, threads, simd, fallback, partials));
+    if (req.queries.count == 0) jobs.back().items = 0;
+    partials += problems[r].partial_floats() + 16;
+    per_thread = std::max(per_thread, jobs.back().scratch_floats());
+    first_item[r + 1] = first_item[r] + jobs.back().items;
+  }
+  float* scratch_base = partials + 16;
+  const std::int64_t items = first_item[n];
+  detail::parallel_for(
+      threads, threads,
+      [&](std::int64_t w0, std::int64_t w1) {
+        for (std::int64_t worker = w0; worker < w1; ++worker) {
+          float* base = scratch_base + worker * per_thread;
+          const std::int64_t i0 = items * worker / threads, i1 = items * (worker + 1) / threads;
+          // the jobs this worker's run of items falls in
+          std::size_t r = static_cast<std::size_t>(
+              std::upper_bound(first_item.begin(), first_item.end(), i0) - first_item.begin() - 1);
+          for (std::int64_t item = i0; item < i1; ++r) {
+            while (first_item[r + 1] <= item) ++r;
+            const job_t& j = jobs[r];
+            const detail::split_scratch w = detail::carve_scratch(
+                base, j.p.group_heads(), j.p.head_dim, j.p.value_groups, j.gk);
+            const std::int64_t end = std::min(i1, first_item[r + 1]);
+            for (; item < end; ++item) run_item(j, item - first_item[r], end - first_item[r], w);
+          }
+        }
+      },
+      options.executor);
+  for (std::size_t r = 0; r < n; ++r) {
+    if (requests[r].queries.count == 0) continue;
+    try {
+      combine(jobs[r], scratch_base);
+    } catch (const error& e) {
+      detail::fail(e.code(), "attention batch: request " + std::to_string(r) + ": " +
+                                 detail::error_message(e));
+    }
   }
 }
 

@@ -17,14 +17,17 @@
 // Each macro takes EXT: `extern` to declare, empty to define (src/kernels).
 #pragma once
 
-/// decode_attention<default_variant> over bitplane_view<PLAN, G> (float, bf16 and
-/// fp16 tails) and code_view<PLAN, G> prompts (float and bf16 tails).
-#define LYNX_KERNELS_ATTENTION_CALL(EXT, TAIL, ...)                                            \
-  EXT template void ::lynx::decode_attention<::lynx::default_variant>::operator()<__VA_ARGS__, \
-                                                                                  TAIL>(       \
-      const __VA_ARGS__&, ::lynx::kv_view<const TAIL, ::lynx::host_space>,                     \
-      ::lynx::kv_view<const TAIL, ::lynx::host_space>, const ::lynx::attention_queries&,       \
-      ::lynx::tail_visibility, ::lynx::attention_output, ::lynx::attention_workspace&,         \
+/// decode_attention<default_variant> (one call, and batch) over bitplane_view<PLAN, G>
+/// (float, bf16 and fp16 tails) and code_view<PLAN, G> prompts (float and bf16 tails).
+#define LYNX_KERNELS_ATTENTION_CALL(EXT, TAIL, ...)                                                \
+  EXT template void ::lynx::decode_attention<::lynx::default_variant>::operator()<__VA_ARGS__,     \
+                                                                                  TAIL>(           \
+      const __VA_ARGS__&, ::lynx::kv_view<const TAIL, ::lynx::host_space>,                         \
+      ::lynx::kv_view<const TAIL, ::lynx::host_space>, const ::lynx::attention_queries&,           \
+      ::lynx::tail_visibility, ::lynx::attention_output, ::lynx::attention_workspace&,             \
+      const ::lynx::attention_options&) const;                                                     \
+  EXT template void ::lynx::decode_attention<::lynx::default_variant>::batch<__VA_ARGS__, TAIL>(   \
+      std::span<const ::lynx::attention_request<__VA_ARGS__, TAIL>>, ::lynx::attention_workspace&, \
       const ::lynx::attention_options&) const;
 
 #define LYNX_KERNELS_ATTENTION_PLANES(EXT, PLAN, G)                                       \

@@ -164,9 +164,16 @@ inline void expand_params(const layer_geometry& g, std::uint32_t layer, const st
   }
 }
 
+}  // namespace detail
+
 /// What a receiver tensor knows about its streams, wherever their bytes live:
-/// the geometry it expects, which streams are present and their checksums.
-/// Host and device tensors derive from it and add only the storage.
+/// the geometry it expects, which streams are present and their checksums, the
+/// generation it belongs to. Host and device tensors derive from it and add
+/// only the storage; an engine with its own storage can too: admit() validates
+/// a segment (header, checksum, plan, shape, layer, generation; a resend that
+/// differs from the copy held is refused) and says which stream it is and
+/// whether it is a duplicate, record() marks it present once its bytes are
+/// where the engine reads them.
 template <stream_plan_type Plan, int G>
 class stream_ledger {
  public:
@@ -201,7 +208,7 @@ class stream_ledger {
     checksum_ = {};
   }
 
- protected:
+ public:
   /// A validated segment, not yet stored.
   struct admission {
     std::size_t stream = 0;
@@ -233,6 +240,7 @@ class stream_ledger {
     present_[a.stream] = true;
   }
 
+ protected:
   /// A view at `level` whose stream s payload is payload_of(s) (absent streams:
   /// nullptr) and whose expanded parameters are at `params`.
   template <memory_space Space, class PayloadOf>
@@ -262,6 +270,9 @@ class stream_ledger {
   std::array<std::uint64_t, max_streams> checksum_{};
 };
 
+namespace detail {
+template <stream_plan_type Plan, int G>
+using stream_ledger = ::lynx::stream_ledger<Plan, G>;
 }  // namespace detail
 
 /// Host receiver tensor of one layer.
@@ -316,5 +327,100 @@ class bitplane_tensor<Plan, G, host_space> : public detail::stream_ledger<Plan, 
 
 template <stream_plan_type Plan, int G = 32>
 using host_bitplane_tensor = bitplane_tensor<Plan, G, host_space>;
+
+/// A host receiver tensor over caller-owned segment slots (an engine's
+/// registered receive buffers, one per stream, each segment_bytes(geometry, s)
+/// long and 64-byte aligned): a transport writes stream s's whole segment
+/// (header and payload) into slot(s), then accept_in_place(s) validates it
+/// where it lies (header, checksum, parameters) and makes it visible. The
+/// planes are read from the slot, never copied; the anchor's parameters are
+/// expanded into the tensor's own buffer, as bitplane_tensor::accept does.
+/// Same refusals as bitplane_tensor (a refused segment changes nothing).
+/// A slot must not be written again once its stream is accepted (until reset):
+/// attention reads it.
+template <stream_plan_type Plan, int G = 32>
+class slot_tensor : public stream_ledger<Plan, G> {
+  using ledger = stream_ledger<Plan, G>;
+
+ public:
+  using plan = Plan;
+  using space = host_space;
+  using view_type = bitplane_view<Plan, G, host_space>;
+  static constexpr int group_size = G;
+
+  slot_tensor(kv_shape shape, std::uint32_t layer, std::uint64_t generation,
+              std::span<const std::span<std::byte>> slots, std::int32_t value_group = 0)
+      : ledger(shape, layer, generation, value_group),
+        params_(static_cast<std::size_t>(this->geometry().params_bytes())) {
+    if (!(static_cast<int>(slots.size()) == Plan::streams))
+      detail::fail(errc::invalid_argument, "slot_tensor: " + std::to_string(slots.size()) +
+                                               " slots for a plan of " +
+                                               std::to_string(Plan::streams) + " streams");
+    for (int s = 0; s < Plan::streams; ++s) {
+      const auto slot = slots[static_cast<std::size_t>(s)];
+      const auto need = segment_bytes(this->geometry(), s);
+      if (!(slot.size() >= need))
+        detail::fail(errc::invalid_argument,
+                     "slot_tensor: the slot of stream " + std::to_string(s) + " holds " +
+                         std::to_string(slot.size()) + " bytes, its segment needs " +
+                         std::to_string(need));
+      if (!(reinterpret_cast<std::uintptr_t>(slot.data()) % 64 == 0))
+        detail::fail(errc::invalid_argument, "slot_tensor: the slot of stream " +
+                                                 std::to_string(s) + " is not 64-byte aligned");
+      slots_[static_cast<std::size_t>(s)] = slot.first(need);
+    }
+  }
+
+  /// Where the transport writes stream s's segment.
+  [[nodiscard]] std::span<std::byte> slot(int stream) const {
+    if (!(stream >= 0 && stream < Plan::streams))
+      detail::fail(errc::invalid_argument, "slot_tensor: no stream " + std::to_string(stream));
+    return slots_[static_cast<std::size_t>(stream)];
+  }
+
+  /// Validates the segment in slot(stream) where it lies and makes it visible.
+  accept_result accept_in_place(int stream) {
+    const std::span<const std::byte> segment = slot(stream);
+    const auto a = this->admit(segment);
+    if (!(a.stream == static_cast<std::size_t>(stream)))
+      detail::fail(errc::layer_mismatch,
+                   "slot_tensor: the slot of stream " + std::to_string(stream) +
+                       " holds a segment of stream " + std::to_string(a.stream));
+    if (a.duplicate) return accept_result::duplicate;
+    if (a.stream == 0)
+      detail::expand_params(this->geometry(), this->layer(), segment.data() + segment_header_bytes,
+                            params_.data());
+    this->record(a);
+    return accept_result::accepted;
+  }
+
+  /// A segment delivered elsewhere (a transport without slots): validated,
+  /// then copied into its slot. Refused segments leave the slot untouched.
+  accept_result accept(std::span<const std::byte> segment) {
+    const auto a = this->admit(segment);
+    if (a.duplicate) return accept_result::duplicate;
+    if (a.stream == 0)  // checks the parameters: a refusal leaves the slot untouched
+      detail::expand_params(this->geometry(), this->layer(), segment.data() + segment_header_bytes,
+                            params_.data());
+    auto dst = slots_[a.stream];
+    if (segment.data() != dst.data()) std::memcpy(dst.data(), segment.data(), dst.size());
+    this->record(a);
+    return accept_result::accepted;
+  }
+
+  [[nodiscard]] view_type view() const { return view_at(this->precision_level()); }
+  [[nodiscard]] view_type view_at(int level) const {
+    return this->template make_view<host_space>(
+        level,
+        [&](int s) -> const std::byte* {
+          return slots_[static_cast<std::size_t>(s)].data() + segment_header_bytes;
+        },
+        params_.data());
+  }
+
+ private:
+  aligned_buffer params_;
+  std::array<std::span<std::byte>, max_streams> slots_{};
+};
 
 }  // namespace lynx

@@ -48,6 +48,18 @@ using send_priority = std::uint8_t;
 /// A transport's handle for one posted send; unique per sender, never reused.
 using send_ticket = std::uint64_t;
 
+/// Where a one-sided write lands (NIXL, Mooncake, UCX RMA style): a memory
+/// region the receiver registered with the transport, named by an opaque key
+/// the transport gave out (an rkey, a descriptor handle), and a byte offset in
+/// it. The receiver learns of the write by a notification that carries the
+/// bytes where they landed, so a receiver over its own slots
+/// (lynx::slot_tensor) validates them in place.
+struct remote_slot {
+  std::uint64_t key = 0;  // 0: none (a two-sided send into the transport's own buffers)
+  std::uint64_t offset = 0;
+  [[nodiscard]] constexpr bool named() const noexcept { return key != 0; }
+};
+
 /// What one post asks for. `bytes` must stay alive and unchanged until the
 /// final completion event of the returned ticket.
 struct send_request {
@@ -55,6 +67,8 @@ struct send_request {
   segment_id id{};                   // layer / stream / generation, for events and logs
   lane_index lane = anchor_lane;
   send_priority priority = 0;
+  remote_slot destination{};  // a one-sided write into this slot; a transport that cannot
+                              // write one refuses the post (invalid_argument)
 };
 
 /// The answer to a post: a ticket, or an error (peer_failure, transport_failure,

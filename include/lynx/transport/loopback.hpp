@@ -7,6 +7,13 @@
 // once); "delivered" is reported when the receiver takes the segment. Fault
 // injection for tests: a hook may drop, duplicate, reorder, corrupt (flip a
 // byte) or truncate any posted segment; break_link() simulates a dead peer.
+//
+// One-sided writes (the shape of NIXL / Mooncake transfers): the receiver
+// registers a memory region (register_region gives its key); a post naming a
+// remote_slot in it writes the segment there at once, then queues a
+// notification whose bytes are the slot itself (no copy on the receiving
+// side). Faults apply to what is written (a corrupted or truncated write, a
+// dropped one that writes nothing and never notifies).
 #pragma once
 
 #include <chrono>
@@ -60,7 +67,11 @@ class loopback_link {
     send_ticket ticket = 0;
     lane_index lane = 0;
     aligned_buffer bytes;
-    std::size_t size = 0;  // bytes delivered (truncation shortens it)
+    std::size_t size = 0;         // bytes delivered (truncation shortens it)
+    std::byte* remote = nullptr;  // a one-sided write: the bytes are here, in a registered region
+    [[nodiscard]] const std::byte* data() const {
+      return remote != nullptr ? remote : bytes.data();
+    }
   };
 
   struct state {
@@ -77,6 +88,8 @@ class loopback_link {
     std::uint64_t posts = 0;
     errc broken = errc::ok;
     fault_hook hook;
+    std::map<std::uint64_t, std::span<std::byte>> regions;  // key -> registered memory
+    std::uint64_t next_key = 1;
   };
 
  public:
@@ -92,6 +105,14 @@ class loopback_link {
       std::unique_lock lock(s_->mutex);
       if (s_->broken != errc::ok) return {s_->broken, 0};
       if (request.lane >= s_->lanes) return {errc::invalid_argument, 0};
+      std::byte* remote = nullptr;
+      if (request.destination.named()) {
+        const auto region = s_->regions.find(request.destination.key);
+        if (region == s_->regions.end() || request.destination.offset > region->second.size() ||
+            request.bytes.size() > region->second.size() - request.destination.offset)
+          return {errc::invalid_argument, 0};  // no such region, or the write would not fit
+        remote = region->second.data() + request.destination.offset;
+      }
       const fault f = s_->hook ? s_->hook(request, s_->posts) : fault{};
       ++s_->posts;
       const send_ticket ticket = s_->next_ticket++;
@@ -99,8 +120,18 @@ class loopback_link {
       q.ticket = ticket;
       q.lane = request.lane;
       q.size = request.bytes.size();
-      q.bytes = aligned_buffer(q.size);
-      if (q.size) std::memcpy(q.bytes.data(), request.bytes.data(), q.size);
+      if (remote != nullptr) {  // the one-sided write, as it lands (a dropped one: nothing)
+        q.remote = remote;
+        if (f.kind == fault_kind::truncate) q.size = f.offset < q.size ? f.offset : q.size;
+        if (f.kind != fault_kind::drop && q.size) std::memcpy(remote, request.bytes.data(), q.size);
+        if (f.kind == fault_kind::corrupt && q.size) {
+          const std::size_t at = f.offset < q.size ? f.offset : q.size / 2;
+          remote[at] = ~remote[at];
+        }
+      } else {
+        q.bytes = aligned_buffer(q.size);
+        if (q.size) std::memcpy(q.bytes.data(), request.bytes.data(), q.size);
+      }
       auto& lane = s_->queues[request.lane];
       switch (f.kind) {
         case fault_kind::none:
@@ -113,7 +144,8 @@ class loopback_link {
           copy.ticket = ticket;
           copy.lane = q.lane;
           copy.size = q.size;
-          copy.bytes = q.bytes;
+          copy.remote = q.remote;
+          if (q.remote == nullptr) copy.bytes = q.bytes;
           lane.push_back(std::move(q));
           lane.push_back(std::move(copy));
           break;
@@ -122,7 +154,7 @@ class loopback_link {
           lane.insert(lane.empty() ? lane.end() : lane.end() - 1, std::move(q));
           break;
         case fault_kind::corrupt: {
-          if (q.size) {
+          if (q.size && q.remote == nullptr) {  // (a one-sided write was corrupted as written)
             const std::size_t at = f.offset < q.size ? f.offset : q.size / 2;
             q.bytes.data()[at] = ~q.bytes.data()[at];
           }
@@ -183,7 +215,7 @@ class loopback_link {
         if (s_->undelivered.erase(q.ticket))
           s_->events.push_back({q.ticket, completion_kind::delivered, errc::ok, at});
         const std::uint64_t handle = s_->next_handle++;
-        received_segment<clock> seg{std::span<const std::byte>(q.bytes.data(), q.size), q.lane, at,
+        received_segment<clock> seg{std::span<const std::byte>(q.data(), q.size), q.lane, at,
                                     handle};
         s_->held.emplace(handle, std::move(q));  // the buffer's address is stable across the move
         lock.unlock();
@@ -221,6 +253,15 @@ class loopback_link {
   [[nodiscard]] sender_endpoint& sender() noexcept { return sender_; }
   [[nodiscard]] receiver_endpoint& receiver() noexcept { return receiver_; }
   [[nodiscard]] int lane_count() const noexcept { return state_.lanes; }
+
+  /// Registers receive memory for one-sided writes; the key names it in a
+  /// send_request's remote_slot. The memory must outlive the link's use of it.
+  std::uint64_t register_region(std::span<std::byte> region) {
+    std::lock_guard lock(state_.mutex);
+    const std::uint64_t key = state_.next_key++;
+    state_.regions.emplace(key, region);
+    return key;
+  }
 
   /// Installs the fault hook (tests); an empty function turns faults off.
   void set_fault_hook(fault_hook hook) {

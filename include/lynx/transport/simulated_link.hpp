@@ -297,6 +297,7 @@ class simulated_link {
   }
 
   post_result post(const send_request& request) {
+    if (request.destination.named()) return {errc::invalid_argument, 0};  // no one-sided writes
     if (broken_ != errc::ok) return {broken_, 0};
     if (request.lane >= lane_count()) return {errc::invalid_argument, 0};
     const send_ticket ticket = next_ticket_++;

@@ -484,6 +484,7 @@ class tcp_sender {
   /// Queues the segment on its lane and starts writing it. The bytes are
   /// written from the caller's buffer, which must live until the final event.
   post_result post(const send_request& request) {
+    if (request.destination.named()) return {errc::invalid_argument, 0};  // no one-sided writes
     if (broken_ != errc::ok) return {broken_, 0};
     if (request.lane >= lanes_.size()) return {errc::invalid_argument, 0};
     const send_ticket ticket = next_ticket_++;

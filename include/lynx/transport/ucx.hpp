@@ -287,6 +287,7 @@ class ucx_sender {
   [[nodiscard]] int lane_count() const noexcept { return static_cast<int>(eps_.size()); }
 
   post_result post(const send_request& request) {
+    if (request.destination.named()) return {errc::invalid_argument, 0};  // active messages only
     if (settle()) return {broken_, 0};
     if (request.lane >= eps_.size()) return {errc::invalid_argument, 0};
     const send_ticket ticket = next_ticket_++;

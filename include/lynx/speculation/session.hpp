@@ -163,6 +163,19 @@ struct token_event {
   bool verified = false;  // commit: as committed_token::verified; false otherwise
 };
 
+/// The forward a session needs next, for an engine that gathers the forwards
+/// of many sessions into one batched forward (progressive_session::prepare /
+/// complete). kind idle or done: nothing to run. Otherwise the engine runs
+/// `tokens` at positions position, position + 1, ... at precision `level` on
+/// this session's sequence (appending their K/V to its tail, as forward()
+/// does) and hands back the logits of every token, [tokens][vocab].
+struct forward_request {
+  step_kind kind = step_kind::idle;
+  std::span<const std::int32_t> tokens;  // valid until complete()
+  std::int64_t position = 0;
+  int level = 0;
+};
+
 template <decode_engine Engine, verifier_policy Verifier = greedy_verifier>
 class progressive_session {
  public:
@@ -302,18 +315,41 @@ class progressive_session {
 
   /// One unit of work: a draft forward, a verification, or an exact decode step;
   /// idle when it must wait for planes. Throws what the engine throws.
+  /// The same as prepare(), the engine's forward of what it asks, complete().
   step_result step() {
+    const forward_request f = prepare();
+    if (f.kind == step_kind::idle || f.kind == step_kind::done) return {f.kind};
+    std::vector<float>& rows = f.kind == step_kind::verify ? rows_ : row_;
+    rows.resize(f.tokens.size() * static_cast<std::size_t>(vocab_));
+    try {
+      engine_.forward(f.tokens, f.position, f.level, rows);
+    } catch (...) {
+      pending_ = step_kind::idle;
+      throw;
+    }
+    return complete(rows);
+  }
+
+  /// Split-phase stepping (an engine that batches the forwards of many
+  /// sessions): what the next step needs run. Decides as step() does and does
+  /// the session's own part first (a verification drops the draft-level K/V
+  /// from the engine's tail); the caller runs the forward, then calls
+  /// complete() with its logits before anything else of this session.
+  /// Nothing to run (idle, done): nothing pending.
+  forward_request prepare() {
     if (state_override_failed_)
       detail::fail(errc::transport_failure, "session failed: " + failure_);
+    detail::require(pending_ == step_kind::idle, errc::invalid_argument,
+                    "session: prepare() again before complete() of the forward it asked for");
     if (finished()) return {step_kind::done};
     if (available_ == 0) return {step_kind::idle};
     if (draft_level_ == 0) draft_level_ = available_;
-    if (draft_level_ == target_level_) return exact_step();
+    if (draft_level_ == target_level_) return begin_exact();
     if (available_ > draft_level_) {
       // More planes than the drafts were made with.
       if (options_.on_landing == landing_policy::verify_now || drafts() >= options_.max_draft) {
         if (available_ == target_level_ || options_.verify_intermediate_levels)
-          return verify_at(available_);
+          return begin_verify(available_);
         draft_level_ =
             available_;  // no intermediate check: keep the drafts, go on at the better level
       }
@@ -321,7 +357,28 @@ class progressive_session {
     // Here either no more planes have landed (draft up to the in-flight limit), or
     // finish_draft goes on to max_draft (below the in-flight limit).
     if (drafts() >= in_flight_limit()) return {step_kind::idle};
-    return draft_step();
+    return begin_draft();
+  }
+
+  /// The logits of the forward prepare() asked for ([tokens][vocab]): the step's result.
+  step_result complete(std::span<const float> logits) {
+    const step_kind k = pending_;
+    detail::require(k != step_kind::idle, errc::invalid_argument,
+                    "session: complete() without a forward prepare() asked for");
+    detail::require(
+        logits.size() == static_cast<std::size_t>(pending_tokens_ * vocab_), errc::invalid_argument,
+        "session: complete() with " + std::to_string(logits.size()) + " logits for a forward of " +
+            std::to_string(pending_tokens_) + " tokens of vocab " + std::to_string(vocab_));
+    pending_ = step_kind::idle;
+    ++stats_.forwards;
+    switch (k) {
+      case step_kind::draft:
+        return finish_draft(logits);
+      case step_kind::verify:
+        return finish_verify(pending_level_, logits);
+      default:
+        return finish_exact(logits);
+    }
   }
 
  private:
@@ -376,34 +433,46 @@ class progressive_session {
       on_token_event_({token_event_kind::retract, 0, position_of_input(shown_ + 1), n, 0, false});
   }
 
-  step_result draft_step() {
+  forward_request pending(step_kind kind, std::span<const std::int32_t> tokens,
+                          std::int64_t position, int level) {
+    pending_ = kind;
+    pending_tokens_ = static_cast<std::int64_t>(tokens.size());
+    pending_level_ = level;
+    return {kind, tokens, position, level};
+  }
+
+  forward_request begin_draft() {
     // Feed the last input; its logits propose the next draft.
     const auto i = fed_;
     detail::require(i == drafts(), errc::internal, "session: draft inputs out of step");
-    row_.resize(static_cast<std::size_t>(vocab_));
-    const std::int32_t token = inputs_[static_cast<std::size_t>(i)];
-    engine_.forward(std::span<const std::int32_t>(&token, 1), position_of_input(i), draft_level_,
-                    row_);
-    ++stats_.forwards;
+    return pending(step_kind::draft,
+                   std::span<const std::int32_t>(inputs_).subspan(static_cast<std::size_t>(i), 1),
+                   position_of_input(i), draft_level_);
+  }
+
+  step_result finish_draft(std::span<const float> row) {
+    const auto i = fed_;
     ++fed_;
-    const std::int32_t d = verifier_.draft(row_, position_of_input(i + 1));
+    const std::int32_t d = verifier_.draft(row, position_of_input(i + 1));
     inputs_.push_back(d);
-    if (Verifier::needs_draft_rows) draft_rows_.insert(draft_rows_.end(), row_.begin(), row_.end());
+    if (Verifier::needs_draft_rows) draft_rows_.insert(draft_rows_.end(), row.begin(), row.end());
     ++stats_.draft_tokens;
     show(i + 1);
     return {step_kind::draft, draft_level_, 1, 0, 0, 0};
   }
 
-  step_result verify_at(int level) {
-    const std::int64_t n = drafts();
+  forward_request begin_verify(int level) {
     engine_.drop_tail(fed_);  // every entry computed at the draft level is redone
-    rows_.resize(static_cast<std::size_t>((n + 1) * vocab_));
-    engine_.forward(inputs_, position_of_input(0), level, rows_);
-    ++stats_.forwards;
+    fed_ = 0;
+    return pending(step_kind::verify, inputs_, position_of_input(0), level);
+  }
+
+  step_result finish_verify(int level, std::span<const float> rows) {
+    const std::int64_t n = drafts();
     const std::span<const std::int32_t> draft_tokens(inputs_.data() + 1,
                                                      static_cast<std::size_t>(n));
     const verify_outcome out =
-        verifier_.verify(draft_tokens, draft_rows_, rows_, vocab_, position_of_input(1), level);
+        verifier_.verify(draft_tokens, draft_rows_, rows, vocab_, position_of_input(1), level);
     const std::int64_t m = out.accepted;
     engine_.drop_tail(n - m);  // keep a, d1..dm
     // The shown drafts past the accepted ones go back before anything is committed,
@@ -430,7 +499,7 @@ class progressive_session {
       inputs_.resize(static_cast<std::size_t>(m + 1));
       inputs_.push_back(out.next);
       if (Verifier::needs_draft_rows)
-        draft_rows_.assign(rows_.begin(), rows_.begin() + (m + 1) * vocab_);
+        draft_rows_.assign(rows.begin(), rows.begin() + (m + 1) * vocab_);
       fed_ = m + 1;
       draft_level_ = level;
       show(m + 1);  // the correction is a draft of this level
@@ -440,13 +509,13 @@ class progressive_session {
     return r;
   }
 
-  step_result exact_step() {
-    row_.resize(static_cast<std::size_t>(vocab_));
-    const std::int32_t token = inputs_[0];
-    engine_.forward(std::span<const std::int32_t>(&token, 1), position_of_input(0), target_level_,
-                    row_);
-    ++stats_.forwards;
-    const std::int32_t next = verifier_.decide(row_, position_of_input(1));
+  forward_request begin_exact() {
+    return pending(step_kind::decode, std::span<const std::int32_t>(inputs_).first(1),
+                   position_of_input(0), target_level_);
+  }
+
+  step_result finish_exact(std::span<const float> row) {
+    const std::int32_t next = verifier_.decide(row, position_of_input(1));
     ++verified_;
     inputs_[0] = next;
     commit(next);
@@ -476,6 +545,9 @@ class progressive_session {
   std::string failure_;
   bool state_override_failed_ = false;
   bool unverified_ = false;
+  step_kind pending_ = step_kind::idle;  // the forward prepare() asked for, not yet completed
+  std::int64_t pending_tokens_ = 0;
+  int pending_level_ = 0;
 };
 
 }  // namespace lynx

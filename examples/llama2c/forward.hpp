@@ -9,6 +9,7 @@
 // row across the k tokens; it never changes any token's arithmetic.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <concepts>
 #include <cstdint>
@@ -356,7 +357,9 @@ class engine {
     auto kv_rows = [&](int l) {
       return std::pair{cache_.prompt_keys(l).data(), cache_.prompt_values(l).data()};
     };
-    forward(prompt, 0, kv_rows, attend, last_logits, /*logits_from=*/n - 1);
+    forward(
+        prompt, [](int t) { return t; }, kv_rows, no_kv_hook, attend, last_logits,
+        /*logits_from=*/n - 1);
   }
 
   // Starts a sequence on a decode node: the prompt's KV arrives from elsewhere
@@ -393,7 +396,92 @@ class engine {
     auto kv_rows = [&](int l) {
       return std::pair{cache_.tail_keys(l).data() + offset, cache_.tail_values(l).data() + offset};
     };
-    forward(tokens, first_position, kv_rows, attend, logits, /*logits_from=*/0);
+    forward(
+        tokens, [&](int t) { return first_position + t; }, kv_rows, no_kv_hook, attend, logits,
+        /*logits_from=*/0);
+  }
+
+  /// One sequence's part of a batched forward (decode_batch).
+  struct batch_item {
+    engine* sequence = nullptr;
+    std::span<const int> tokens;
+    int first_position = 0;   // == sequence->position()
+    std::span<float> logits;  // [tokens][vocab]
+  };
+
+  /// The tokens of many sequences in one forward (continuous batching): every
+  /// weight row is read once for all of them, while token j of item i attends to
+  /// its own sequence only. Each item's logits and tail are the bits its own
+  /// decode() would give: the matmuls compute each token's row as for one token,
+  /// and each attention call is the one decode makes. The sequences share the
+  /// weights; the first one's scratch is used.
+  static void decode_batch(std::span<const batch_item> items) {
+    if (items.empty()) return;
+    engine& lead = *items[0].sequence;
+    const config& c = lead.cfg();
+    std::vector<int> all;
+    std::vector<std::pair<int, int>> where;  // per token: (item, index in the item)
+    for (std::size_t i = 0; i < items.size(); ++i) {
+      const batch_item& it = items[i];
+      if (it.sequence->model_ != lead.model_)
+        throw std::invalid_argument("llama2c: decode_batch over sequences of different weights");
+      if (it.first_position != it.sequence->position())
+        throw std::invalid_argument("llama2c: decode_batch item " + std::to_string(i) +
+                                    " at position " + std::to_string(it.first_position) +
+                                    " but its cache holds " +
+                                    std::to_string(it.sequence->position()) + " tokens");
+      it.sequence->check_logits(it.logits, static_cast<int>(it.tokens.size()));
+      if (it.sequence->position() + static_cast<int>(it.tokens.size()) > c.seq_len)
+        throw std::out_of_range("llama2c: decode_batch item " + std::to_string(i) +
+                                " runs past the context of " + std::to_string(c.seq_len));
+      for (std::size_t j = 0; j < it.tokens.size(); ++j) {
+        all.push_back(it.tokens[j]);
+        where.emplace_back(static_cast<int>(i), static_cast<int>(j));
+      }
+    }
+    const int k = static_cast<int>(all.size());
+    if (k == 0) return;
+    std::vector<int> first_tail(items.size());
+    for (std::size_t i = 0; i < items.size(); ++i)
+      first_tail[i] = items[i].sequence->cache_.grow_tail(static_cast<int>(items[i].tokens.size()));
+    const auto kv_dim = static_cast<std::size_t>(c.kv_dim());
+    lead.batch_k_.resize(static_cast<std::size_t>(k) * kv_dim);
+    lead.batch_v_.resize(lead.batch_k_.size());
+    lead.batch_logits_.resize(static_cast<std::size_t>(k) * static_cast<std::size_t>(c.vocab_size));
+    auto position = [&](int t) {
+      const auto [i, j] = where[static_cast<std::size_t>(t)];
+      return items[static_cast<std::size_t>(i)].first_position + j;
+    };
+    auto kv_rows = [&](int) { return std::pair{lead.batch_k_.data(), lead.batch_v_.data()}; };
+    // Each token's K/V row (RoPE applied) into its own sequence's tail.
+    auto kv_written = [&](int l, const float* k_rows, const float* v_rows) {
+      for (int t = 0; t < k; ++t) {
+        const auto [i, j] = where[static_cast<std::size_t>(t)];
+        kv_cache& cache = items[static_cast<std::size_t>(i)].sequence->cache_;
+        const std::size_t at =
+            static_cast<std::size_t>(first_tail[static_cast<std::size_t>(i)] + j) * kv_dim;
+        std::copy_n(k_rows + static_cast<std::size_t>(t) * kv_dim, kv_dim,
+                    cache.tail_keys(l).data() + at);
+        std::copy_n(v_rows + static_cast<std::size_t>(t) * kv_dim, kv_dim,
+                    cache.tail_values(l).data() + at);
+      }
+    };
+    auto attend = [&](int l, int t, const float* q, float* out) {
+      const auto [i, j] = where[static_cast<std::size_t>(t)];
+      engine& e = *items[static_cast<std::size_t>(i)].sequence;
+      const std::size_t width = static_cast<std::size_t>(c.dim);
+      e.attention_(std::as_const(e.cache_), l, std::span<const float>(q, width),
+                   first_tail[static_cast<std::size_t>(i)] + j + 1, std::span<float>(out, width));
+    };
+    lead.forward(all, position, kv_rows, kv_written, attend, lead.batch_logits_,
+                 /*logits_from=*/0);
+    const auto vocab = static_cast<std::size_t>(c.vocab_size);
+    std::size_t row = 0;
+    for (const batch_item& it : items) {
+      std::copy_n(lead.batch_logits_.data() + row * vocab, it.tokens.size() * vocab,
+                  it.logits.data());
+      row += it.tokens.size();
+    }
   }
 
   [[nodiscard]] std::vector<float> decode(std::span<const int> tokens, int first_position) {
@@ -447,20 +535,25 @@ class engine {
       }
   }
 
+  static constexpr auto no_kv_hook = [](int, const float*, const float*) {};
+
   // The shared body of prefill and decode, layer-major over the k tokens.
   // kv_rows(l) -> (K rows, V rows) [k, kv_dim] where this batch's KV goes;
   // attend(l, j, q, out) computes token j's attention once its KV is written.
   // Logits are written for tokens logits_from .. k-1.
-  template <class KvRows, class Attend>
-  void forward(std::span<const int> tokens, int first_position, KvRows&& kv_rows, Attend&& attend,
-               std::span<float> logits, int logits_from) {
+  // position(t): token t's position; kv_written(l, K rows, V rows) once a
+  // layer's rows are computed and rotated (before any attention of that layer).
+  template <class Position, class KvRows, class KvWritten, class Attend>
+  void forward(std::span<const int> tokens, Position&& position, KvRows&& kv_rows,
+               KvWritten&& kv_written, Attend&& attend, std::span<float> logits, int logits_from) {
     const config& c = cfg();
     const weights& w = *model_;
     const int k = static_cast<int>(tokens.size());
     const int dim = c.dim, hidden = c.hidden_dim, kv_dim = c.kv_dim();
-    if (first_position < 0 || first_position + k > c.seq_len)
-      throw std::out_of_range("llama2c: positions up to " + std::to_string(first_position + k) +
-                              " exceed the context of " + std::to_string(c.seq_len));
+    for (int t = 0; t < k; ++t)
+      if (position(t) < 0 || position(t) >= c.seq_len)
+        throw std::out_of_range("llama2c: position " + std::to_string(position(t)) +
+                                " outside the context of " + std::to_string(c.seq_len));
     for (const int t : tokens)
       if (t < 0 || t >= c.vocab_size)
         throw std::out_of_range("llama2c: token " + std::to_string(t) + " outside vocab of " +
@@ -486,9 +579,10 @@ class engine {
       detail::matmul(k_rows, s.xb.data(), w.wk(l).data(), k, kv_dim, dim);
       detail::matmul(v_rows, s.xb.data(), w.wv(l).data(), k, kv_dim, dim);
       for (int t = 0; t < k; ++t) {
-        rope(row(s.q, t, dim), c.n_heads, first_position + t);
-        rope(k_rows + static_cast<std::ptrdiff_t>(t) * kv_dim, c.n_kv_heads, first_position + t);
+        rope(row(s.q, t, dim), c.n_heads, position(t));
+        rope(k_rows + static_cast<std::ptrdiff_t>(t) * kv_dim, c.n_kv_heads, position(t));
       }
+      kv_written(l, k_rows, v_rows);
       for (int t = 0; t < k; ++t) attend(l, t, row(s.q, t, dim), row(s.att, t, dim));
       detail::matmul(s.xb2.data(), s.att.data(), w.wo(l).data(), k, dim, dim);
       for (std::size_t i = 0; i < static_cast<std::size_t>(k) * dim; ++i) s.x[i] += s.xb2[i];
@@ -520,6 +614,7 @@ class engine {
   std::vector<float> rope_;    // [seq_len, head_size / 2, 2] (cos, sin)
   std::vector<float> scores_;  // prefill attention scratch [prompt]
   scratch scratch_;
+  std::vector<float> batch_k_, batch_v_, batch_logits_;  // decode_batch scratch (its first item's)
 };
 
 }  // namespace lynx_examples::llama2c

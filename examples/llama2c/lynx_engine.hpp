@@ -24,6 +24,7 @@
 #include "lynx/planes/codec.hpp"
 #include "lynx/planes/tensor.hpp"
 #include "lynx/speculation/engine.hpp"
+#include "lynx/speculation/session.hpp"
 #include "model.hpp"
 
 namespace lynx_examples::llama2c {
@@ -179,6 +180,28 @@ class lynx_decode_engine {
     inner_.attention().codes = nullptr;
   }
   [[nodiscard]] engine<lynx_prompt_attention<Plan, G>>& inner() { return inner_; }
+
+  /// One request's forward in a batched step: the forward its session asked
+  /// for (lynx::progressive_session::prepare) and where its logits go.
+  struct batch_job {
+    lynx_decode_engine* engine = nullptr;
+    lynx::forward_request request;
+    std::span<float> logits;  // [request.tokens][vocab]
+  };
+  /// The forwards of many requests as one forward of the model
+  /// (engine::decode_batch): each request's logits are the bits its own
+  /// forward() gives, read at its own precision level.
+  static void forward_batch(std::span<const batch_job> jobs) {
+    using inner_type = engine<lynx_prompt_attention<Plan, G>>;
+    std::vector<typename inner_type::batch_item> items;
+    items.reserve(jobs.size());
+    for (const batch_job& j : jobs) {
+      j.engine->inner_.attention().level = j.request.level;
+      items.push_back(
+          {&j.engine->inner_, j.request.tokens, static_cast<int>(j.request.position), j.logits});
+    }
+    inner_type::decode_batch(items);
+  }
 
  private:
   engine<lynx_prompt_attention<Plan, G>> inner_;

@@ -171,7 +171,7 @@ struct token_event {
 /// does) and hands back the logits of every token, [tokens][vocab].
 struct forward_request {
   step_kind kind = step_kind::idle;
-  std::span<const std::int32_t> tokens;  // valid until complete()
+  std::span<const std::int32_t> tokens{};  // valid until complete()
   std::int64_t position = 0;
   int level = 0;
 };

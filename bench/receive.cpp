@@ -85,8 +85,24 @@ void BM_accept_in_place(benchmark::State& state) {
   state.SetBytesProcessed(state.iterations() * f.bytes);
 }
 
+// The anchor's parameters, bf16 on the wire, expanded to the floats attention
+// reads and checked (finite ranges, non-negative scales): the part of
+// accept_in_place beyond the checksum.
+void BM_expand_params(benchmark::State& state) {
+  auto& f = fixture_of(state.range(0));
+  const auto g = lynx::make_geometry<plan, 32>(f.shape);
+  lynx::aligned_buffer out(static_cast<std::size_t>(g.params_bytes()));
+  for (auto _ : state) {
+    lynx::detail::expand_params(g, 0, f.layer.segment(0).data() + lynx::segment_header_bytes,
+                                out.data());
+    benchmark::DoNotOptimize(out.data());
+  }
+  state.SetBytesProcessed(state.iterations() * g.params_bytes());
+}
+
 }  // namespace
 
+BENCHMARK(BM_expand_params)->Arg(4096)->Arg(32768)->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_checksum)->Arg(4096)->Arg(32768)->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_accept_copy)->Arg(4096)->Arg(32768)->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_accept_in_place)->Arg(4096)->Arg(32768)->Unit(benchmark::kMillisecond);

@@ -126,16 +126,17 @@ inline void expand_params(const layer_geometry& g, std::uint32_t layer, const st
       const std::int64_t m = std::min<std::int64_t>(256, n - i0);
       std::memcpy(scale_bits, scale_src + 2 * i0, static_cast<std::size_t>(2 * m));
       std::memcpy(zero_bits, zero_src + 2 * i0, static_cast<std::size_t>(2 * m));
-      bool bad = false;
+      // Branch-free, so that compilers vectorize it: x - x is 0 exactly when x is finite.
+      unsigned bad = 0;
       for (std::int64_t i = 0; i < m; ++i) {
         const float sc = bf16_bits_to_float(scale_bits[i]), z = bf16_bits_to_float(zero_bits[i]);
         scale_dst[i0 + i] = sc;
         zero_dst[i0 + i] = z;
-        const float hi = z + sc * top, mag_hi = hi < 0.0f ? -hi : hi, mag_z = z < 0.0f ? -z : z;
-        bad |= !(mag_hi <= 3.4028234663852886e38f && mag_z <= 3.4028234663852886e38f) ||
-               (scale_bits[i] & 0x8000u) != 0u;
+        const float hi = z + sc * top;
+        bad |= static_cast<unsigned>(!(hi - hi == 0.0f)) | static_cast<unsigned>(!(z - z == 0.0f)) |
+               (static_cast<unsigned>(scale_bits[i]) >> 15);
       }
-      if (!bad) continue;
+      if (bad == 0u) continue;
       for (std::int64_t i = 0; i < m; ++i) {
         const float sc = scale_dst[i0 + i], z = zero_dst[i0 + i];
         const float hi = z + sc * top;

@@ -8,6 +8,7 @@
 // vocab_size is negative (classifier not shared with the embedding).
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -63,6 +64,12 @@ inline void validate_config(const config& c, const std::string& where) {
   if (c.dim % c.n_heads != 0) fail("dim must be a multiple of n_heads");
   if (c.n_heads % c.n_kv_heads != 0) fail("n_heads must be a multiple of n_kv_heads");
   if (c.head_size() % 2 != 0) fail("head_size must be even (RoPE rotates pairs)");
+}
+
+// Bytes of an engine's fp32 KV cache over the whole context: K and V of every
+// layer at every position.
+inline std::int64_t kv_cache_bytes(const config& c) {
+  return 2 * std::int64_t{c.n_layers} * c.seq_len * c.kv_dim() * 4;
 }
 
 // Number of floats of each tensor family, in checkpoint order.
@@ -148,6 +155,18 @@ class weights {
                vocab > 0};
     detail::validate_config(config_, "checkpoint '" + name + "'");
     const std::int64_t want = detail::checkpoint_bytes(config_);
+    // The fields are bounded one by one; their product sizes the engine's KV
+    // cache (K and V, every layer, every position), which must stay in
+    // proportion to the weights: a 1 MB file must not ask for gigabytes.
+    const std::int64_t cache_bytes = detail::kv_cache_bytes(config_);
+    const std::int64_t cache_cap = std::max<std::int64_t>(std::int64_t{256} << 20, 4 * want);
+    if (cache_bytes > cache_cap)
+      throw std::runtime_error(
+          "llama2c: checkpoint '" + name + "': its header (layers " +
+          std::to_string(config_.n_layers) + ", seq " + std::to_string(config_.seq_len) +
+          ", kv dim " + std::to_string(config_.kv_dim()) + ") implies a KV cache of " +
+          std::to_string(cache_bytes) + " bytes, more than " + std::to_string(cache_cap) +
+          " (4x the weights' " + std::to_string(want) + " bytes, or 256 MiB): not a real model");
     if (file_bytes != want)
       throw std::runtime_error(
           "llama2c: checkpoint '" + name + "' has " + std::to_string(file_bytes) +

@@ -44,8 +44,18 @@ class tokenizer {
         throw std::runtime_error("llama2c: tokenizer '" + name + "' is truncated at token " +
                                  std::to_string(token) + " of " + std::to_string(vocab_size));
     };
+    // Lengths come from the file: each is checked against the bytes the file
+    // still holds before anything is sized by it (a 12-byte file must not make
+    // the loader allocate gigabytes before finding itself truncated).
+    std::error_code size_error;
+    const auto file_bytes = std::filesystem::file_size(path, size_error);
+    if (size_error)
+      throw std::runtime_error("llama2c: cannot size tokenizer '" + name +
+                               "': " + size_error.message());
+    std::uint64_t read_so_far = 0;
     std::int32_t max_len = 0;
     read_exact(&max_len, 4, 0);
+    read_so_far += 4;
     max_token_length_ = max_len;
     pieces_.resize(static_cast<std::size_t>(vocab_size));
     scores_.resize(static_cast<std::size_t>(vocab_size));
@@ -53,10 +63,17 @@ class tokenizer {
       std::int32_t len = 0;
       read_exact(&scores_[static_cast<std::size_t>(i)], 4, i);
       read_exact(&len, 4, i);
+      read_so_far += 8;
       if (len < 0 || len > max_len)
         throw std::runtime_error("llama2c: tokenizer '" + name + "': token " + std::to_string(i) +
                                  " has length " + std::to_string(len) + ", max is " +
                                  std::to_string(max_len));
+      if (static_cast<std::uint64_t>(len) > file_bytes - read_so_far)
+        throw std::runtime_error("llama2c: tokenizer '" + name + "' is truncated at token " +
+                                 std::to_string(i) + " of " + std::to_string(vocab_size) +
+                                 " (it claims " + std::to_string(len) + " bytes, the file holds " +
+                                 std::to_string(file_bytes - read_so_far) + " more)");
+      read_so_far += static_cast<std::uint64_t>(len);
       pieces_[static_cast<std::size_t>(i)].resize(static_cast<std::size_t>(len));
       read_exact(pieces_[static_cast<std::size_t>(i)].data(), static_cast<std::size_t>(len), i);
     }

@@ -245,6 +245,20 @@ TEST_CASE("checkpoint errors are clear") {
   CHECK_THROWS_WITH_AS(ll::weights{bad}, doctest::Contains("invalid config"), std::runtime_error);
   CHECK_THROWS_WITH_AS(ll::weights{temp_file("missing.bin")}, doctest::Contains("cannot open"),
                        std::runtime_error);
+  {
+    // Found by fuzzing: a header whose fields are each plausible and whose file size
+    // matches (826 KiB), but whose KV cache (4096 layers x 35840 positions) would
+    // take 2.2 GiB: refused at load, naming the product.
+    const ll::config c{2, 1, 4096, 1, 1, 16639, 35840, true};
+    std::vector<char> file(static_cast<std::size_t>(ll::detail::checkpoint_bytes(c)), 0);
+    const std::int32_t header[7] = {c.dim,        c.hidden_dim, c.n_layers, c.n_heads,
+                                    c.n_kv_heads, c.vocab_size, c.seq_len};
+    std::memcpy(file.data(), header, sizeof header);
+    write(bad, file.data(), file.size());
+    CHECK(file.size() < (std::size_t{1} << 20));
+    CHECK_THROWS_WITH_AS(ll::weights{bad}, doctest::Contains("implies a KV cache of"),
+                         std::runtime_error);
+  }
 
   if (real_model_available()) {
     const std::filesystem::path model_path = lynx_tests::model_path();
@@ -374,4 +388,16 @@ TEST_CASE("engine rejects bad input") {
   const std::vector<float> l = f.decode(std::vector<int>{1, 2, 3}, 0);
   CHECK(l.size() == 3u * static_cast<std::size_t>(w.cfg().vocab_size));
   CHECK(f.cache().tail_length() == 3);
+}
+
+TEST_CASE("a tokenizer file is never trusted to size what it does not hold") {
+  // Found by fuzzing: 12 bytes (max length 2^31 - 1, a score, a first token of
+  // 2^31 - 1 bytes) made the loader allocate and zero 2 GiB before it found the
+  // file truncated. Refused now before anything is sized by that length.
+  const std::filesystem::path p = temp_file("tok12.bin");
+  const unsigned char bytes[12] = {0xff, 0xff, 0xff, 0x7f, 0, 0, 0, 0, 0xff, 0xff, 0xff, 0x7f};
+  std::ofstream(p, std::ios::binary).write(reinterpret_cast<const char*>(bytes), sizeof bytes);
+  CHECK_THROWS_WITH_AS(ll::tokenizer(p, 260), doctest::Contains("truncated at token 0"),
+                       std::runtime_error);
+  std::filesystem::remove(p);
 }

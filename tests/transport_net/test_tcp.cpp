@@ -406,6 +406,41 @@ TEST_CASE(
   }
 }
 
+TEST_CASE("a frame header is not trusted with memory: the body grows with what arrives") {
+  // Found by fuzzing: a header announcing up to the 512 MiB cap allocated that
+  // much, per lane, before any body byte came. Now 1 MiB at first, then doubling.
+  ::alarm(60);
+  lynx::tcp_listener listener;
+  auto raw = lynx::tcp_connect_lanes("127.0.0.1", listener.port(), 2, in(5s));
+  auto receiver = lynx::tcp_receiver::accept(listener, in(5s));
+  lynx::tcp_wire::frame f;
+  f.ticket = 1;
+  f.bytes = (std::uint64_t{512} << 20) - 1;  // just under the default cap
+  lynx::detail::write_all(raw[0].fd(), &f, sizeof f, in(5s), "frame");
+  std::vector<std::byte> some(3000, std::byte{1});
+  lynx::detail::write_all(raw[0].fd(), some.data(), some.size(), in(5s), "body");
+  CHECK(receiver.try_receive(in(300ms)).status == lynx::errc::timeout);
+  CHECK(receiver.body_bytes_in_flight() > 0);
+  CHECK(receiver.body_bytes_in_flight() <= (std::size_t{1} << 20));
+  // A real 5 MiB segment across the growth steps arrives whole and intact.
+  lynx::tcp_listener listener2;
+  auto sender = lynx::tcp_sender::connect("127.0.0.1", listener2.port(), in(5s));
+  auto receiver2 = lynx::tcp_receiver::accept(listener2, in(5s));
+  std::vector<std::byte> big(5 << 20);
+  for (std::size_t i = 0; i < big.size(); ++i) big[i] = static_cast<std::byte>(i * 131 % 251);
+  REQUIRE(sender.post({big, {}, lynx::anchor_lane, 0}).ok());
+  lynx::receive_result<clock_type> r{lynx::errc::timeout, {}};
+  for (int i = 0; i < 200 && !r.ok(); ++i) {
+    r = receiver2.try_receive(in(50ms));
+    while (sender.next_event(clock_type::now())) {
+    }
+  }
+  REQUIRE(r.ok());
+  REQUIRE(r.segment.bytes.size() == big.size());
+  CHECK(std::memcmp(r.segment.bytes.data(), big.data(), big.size()) == 0);
+  receiver2.release(r.segment);
+}
+
 TEST_CASE(
     "tcp framing errors: an absurd length or a damaged frame header is refused before any "
     "allocation") {

@@ -822,6 +822,14 @@ class tcp_receiver {
   void release(const received_segment<clock>& segment) { held_.erase(segment.handle); }
 
   [[nodiscard]] std::size_t held() const noexcept { return held_.size(); }
+  /// Bytes allocated for frames still arriving, every lane together: bounded by
+  /// what has arrived (at most max(1 MiB, 2 x received) per lane), never by what
+  /// a frame header announces.
+  [[nodiscard]] std::size_t body_bytes_in_flight() const noexcept {
+    std::size_t n = 0;
+    for (const auto& l : lanes_) n += l.in_body ? l.body.size() : 0;
+    return n;
+  }
   [[nodiscard]] errc status() const noexcept { return broken_; }
   [[nodiscard]] const std::string& last_error() const noexcept { return last_error_; }
 
@@ -855,6 +863,16 @@ class tcp_receiver {
     std::size_t acks_sent = 0;
     bool open = true;  // false once the lane ended (EOF, an error, a framing error)
   };
+
+  static constexpr std::size_t first_body_bytes = std::size_t{1} << 20;
+
+  // A body buffer full before its frame is: twice the size (at most the frame's).
+  static void grow_body(lane_state& l) {
+    const auto total = static_cast<std::size_t>(l.frame.bytes);
+    aligned_buffer bigger(std::min(total, std::max(first_body_bytes, 2 * l.body.size())));
+    if (l.body_have) std::memcpy(bigger.data(), l.body.data(), l.body_have);
+    l.body = std::move(bigger);
+  }
 
   // A framing error: the stream position is lost, fatal to the link.
   void fail(errc status, std::string why) {
@@ -966,6 +984,7 @@ class tcp_receiver {
         dst = reinterpret_cast<char*>(&l.frame) + l.frame_have;
         want = sizeof l.frame - l.frame_have;
       } else {
+        if (l.body_have == l.body.size()) grow_body(l);
         dst = reinterpret_cast<char*>(l.body.data()) + l.body_have;
         want = std::min(l.body.size() - l.body_have, budget - got);
       }
@@ -1004,13 +1023,17 @@ class tcp_receiver {
                    " (tcp_options::max_segment_bytes)");
           return;
         }
-        l.body = aligned_buffer(static_cast<std::size_t>(l.frame.bytes));
+        // What a frame announces is not trusted with memory: the body grows
+        // with what arrives (first_body_bytes, then doubling), so a lane holds
+        // at most max(first_body_bytes, 2 x the bytes received) for a frame.
+        l.body =
+            aligned_buffer(std::min(static_cast<std::size_t>(l.frame.bytes), first_body_bytes));
         l.body_have = 0;
         l.in_body = true;
       } else {
         l.body_have += static_cast<std::size_t>(r);
       }
-      if (l.in_body && l.body_have == l.body.size()) {
+      if (l.in_body && l.body_have == static_cast<std::size_t>(l.frame.bytes)) {
         l.ready.push_back({l.frame.ticket, std::move(l.body), clock::now()});
         l.body = aligned_buffer();
         l.in_body = false;

@@ -25,7 +25,8 @@ namespace {
 
 using plan = lynx::plan_8_4_4;
 using tensor = lynx::bitplane_tensor<plan>;
-using planes_request = lynx::attention_request<lynx::bitplane_view<plan, 32, lynx::host_space>, float>;
+using planes_request =
+    lynx::attention_request<lynx::bitplane_view<plan, 32, lynx::host_space>, float>;
 constexpr int kv_heads = 2, q_heads = 4, head_dim = 64;
 
 std::vector<float> values_for(std::int64_t n, unsigned salt) {
@@ -57,9 +58,9 @@ struct request_data {
     v = values_for(prompt_shape.elements(), 3u * static_cast<unsigned>(r) + 2);
     tk = values_for(tail_shape.elements(), 5u * static_cast<unsigned>(r) + 3);
     tv = values_for(tail_shape.elements(), 5u * static_cast<unsigned>(r) + 4);
-    const auto e = lynx::encode<plan, 32, float>(
-        lynx::token_major<const float>(k.data(), prompt_shape),
-        lynx::token_major<const float>(v.data(), prompt_shape), 0);
+    const auto e =
+        lynx::encode<plan, 32, float>(lynx::token_major<const float>(k.data(), prompt_shape),
+                                      lynx::token_major<const float>(v.data(), prompt_shape), 0);
     const int level = r % 3 == 0 ? 1 : 2;  // the anchor alone for a third of them
     for (int s = 0; s < level; ++s) planes.accept(e.segment(s));
     count = std::uniform_int_distribution<int>(1, 4)(rng);
@@ -97,12 +98,9 @@ struct request_data {
                  : lynx::token_major<const float>(tv.data(), tail_shape);
   }
   [[nodiscard]] planes_request request() {
-    return {planes.view(),
-            tail_keys(),
-            tail_values(),
-            {q.data(), count, q_heads, head_dim},
-            vis,
-            {out.data(), lse.data()}};
+    return {planes.view(), tail_keys(),
+            tail_values(), {q.data(), count, q_heads, head_dim},
+            vis,           {out.data(), lse.data()}};
   }
   /// The outputs of this request's own call.
   void solo(std::vector<float>& o, std::vector<float>& l, int threads,
@@ -145,8 +143,9 @@ TEST_CASE("batched attention: every request gets the bits of its own call") {
           batch.push_back(data[r].request());
         }
         lynx::attention_workspace ws;
-        ws.reserve_bytes(lynx::decode_attention<>::batch_bytes<
-                         lynx::bitplane_view<plan, 32, lynx::host_space>, float>(batch, threads));
+        ws.reserve_bytes(
+            lynx::decode_attention<>::batch_bytes<lynx::bitplane_view<plan, 32, lynx::host_space>,
+                                                  float>(batch, threads));
         attention.batch<lynx::bitplane_view<plan, 32, lynx::host_space>, float>(
             batch, ws, {.threads = threads, .path = path});
         for (const std::size_t r : order) {
@@ -207,11 +206,10 @@ TEST_CASE("batched attention over dense bf16 prompts and without a prompt: the s
   // no prompt: the tail alone, against its own call
   for (int r = 0; r < n; ++r) {
     const auto& a = alone[static_cast<std::size_t>(r)];
-    lynx::attention_workspace w1(attention.problem(lynx::no_prompt{}, a.tail_keys, a.queries,
-                                                   a.visible),
-                                 1);
-    attention(lynx::no_prompt{}, a.tail_keys, a.tail_values, a.queries, a.visible,
-              {want[r].data()}, w1, {.threads = 1});
+    lynx::attention_workspace w1(
+        attention.problem(lynx::no_prompt{}, a.tail_keys, a.queries, a.visible), 1);
+    attention(lynx::no_prompt{}, a.tail_keys, a.tail_values, a.queries, a.visible, {want[r].data()},
+              w1, {.threads = 1});
   }
   ws.reserve_bytes(lynx::decode_attention<>::batch_bytes<lynx::no_prompt, lynx::bf16>(alone, 3));
   attention.batch<lynx::no_prompt, lynx::bf16>(alone, ws, {.threads = 3});
@@ -245,7 +243,7 @@ TEST_CASE("a bad request is named and nothing is written") {
   batch[2].queries.head_dim = head_dim;
   lynx::attention_workspace small;
   small.reserve_bytes(64);
-  CHECK_THROWS_AS((attention.batch<lynx::bitplane_view<plan, 32, lynx::host_space>, float>(
-                      batch, small)),
-                  lynx::error);
+  CHECK_THROWS_AS(
+      (attention.batch<lynx::bitplane_view<plan, 32, lynx::host_space>, float>(batch, small)),
+      lynx::error);
 }

@@ -252,6 +252,31 @@ inline void check_tail(const attention_queries& q, std::int64_t kv_heads, const 
 
 }  // namespace detail
 
+namespace detail {
+
+/// The walks a call takes for `path` on this CPU: whether the AVX-512 kernels
+/// run where they take a source, and the walk where they do not (or are not
+/// asked for). A path the CPU lacks is refused.
+struct walk_choice {
+  bool simd;
+  host_walk fallback;
+};
+inline walk_choice choose_walks(attention_path path) {
+  if (path == attention_path::avx512 && !host_has_avx512())
+    fail(errc::invalid_argument, "attention: AVX-512 path requested on a CPU without AVX-512F/BW");
+  if (path == attention_path::avx2 && !host_has_fma())
+    fail(errc::invalid_argument, "attention: AVX2 path requested on a CPU without AVX2 and FMA");
+  const bool simd =
+      (path == attention_path::automatic || path == attention_path::avx512) && host_has_avx512();
+  const host_walk fallback =
+      path == attention_path::portable_baseline || !host_has_fma()        ? host_walk::baseline
+      : path == attention_path::avx2 || path == attention_path::automatic ? host_walk::avx2
+                                                                          : host_walk::fma;
+  return {simd, fallback};
+}
+
+}  // namespace detail
+
 /// The decode attention functor; Variant sets the softmax scale, soft-cap and window.
 template <class Variant = default_variant>
 class decode_attention {
@@ -687,22 +712,7 @@ void decode_attention<Variant>::operator()(const Prompt& prompt,
                  "attention: workspace of " + std::to_string(ws.size()) +
                      " bytes, this call needs " + std::to_string(need) +
                      " (size it with attention_workspace::reserve before the hot loop)");
-  const bool simd =
-      (options.path == attention_path::automatic || options.path == attention_path::avx512) &&
-      detail::host_has_avx512();
-  if (options.path == attention_path::avx512 && !detail::host_has_avx512())
-    detail::fail(errc::invalid_argument,
-                 "attention: AVX-512 path requested on a CPU without AVX-512F/BW");
-  if (options.path == attention_path::avx2 && !detail::host_has_fma())
-    detail::fail(errc::invalid_argument,
-                 "attention: AVX2 path requested on a CPU without AVX2 and FMA");
-  // the walk where the AVX-512 kernels do not take a source (or are not asked for)
-  const detail::host_walk fallback =
-      options.path == attention_path::portable_baseline || !detail::host_has_fma()
-          ? detail::host_walk::baseline
-      : options.path == attention_path::avx2 || options.path == attention_path::automatic
-          ? detail::host_walk::avx2
-          : detail::host_walk::fma;
+  const auto [simd, fallback] = detail::choose_walks(options.path);
   if (q.count == 0) return;
 
   if constexpr (std::is_same_v<Prompt, no_prompt>) {
@@ -796,21 +806,7 @@ void decode_attention<Variant>::batch(std::span<const attention_request<Prompt, 
                  "attention batch: workspace of " + std::to_string(ws.size()) +
                      " bytes, this batch needs " + std::to_string(need) +
                      " (size it with attention_workspace::reserve_bytes(batch_bytes(...)))");
-  const bool simd =
-      (options.path == attention_path::automatic || options.path == attention_path::avx512) &&
-      detail::host_has_avx512();
-  if (options.path == attention_path::avx512 && !detail::host_has_avx512())
-    detail::fail(errc::invalid_argument,
-                 "attention: AVX-512 path requested on a CPU without AVX-512F/BW");
-  if (options.path == attention_path::avx2 && !detail::host_has_fma())
-    detail::fail(errc::invalid_argument,
-                 "attention: AVX2 path requested on a CPU without AVX2 and FMA");
-  const detail::host_walk fallback =
-      options.path == attention_path::portable_baseline || !detail::host_has_fma()
-          ? detail::host_walk::baseline
-      : options.path == attention_path::avx2 || options.path == attention_path::automatic
-          ? detail::host_walk::avx2
-          : detail::host_walk::fma;
+  const auto [simd, fallback] = detail::choose_walks(options.path);
   const int threads = options.threads <= 0 ? detail::hardware_threads() : options.threads;
 
   std::vector<source_t> sources;

@@ -271,15 +271,10 @@ class stream_ledger {
   std::array<std::uint64_t, max_streams> checksum_{};
 };
 
-namespace detail {
-template <stream_plan_type Plan, int G>
-using stream_ledger = ::lynx::stream_ledger<Plan, G>;
-}  // namespace detail
-
 /// Host receiver tensor of one layer.
 template <stream_plan_type Plan, int G>
-class bitplane_tensor<Plan, G, host_space> : public detail::stream_ledger<Plan, G> {
-  using ledger = detail::stream_ledger<Plan, G>;
+class bitplane_tensor<Plan, G, host_space> : public stream_ledger<Plan, G> {
+  using ledger = stream_ledger<Plan, G>;
 
  public:
   using plan = Plan;
@@ -387,26 +382,13 @@ class slot_tensor : public stream_ledger<Plan, G> {
       detail::fail(errc::layer_mismatch,
                    "slot_tensor: the slot of stream " + std::to_string(stream) +
                        " holds a segment of stream " + std::to_string(a.stream));
-    if (a.duplicate) return accept_result::duplicate;
-    if (a.stream == 0)
-      detail::expand_params(this->geometry(), this->layer(), segment.data() + segment_header_bytes,
-                            params_.data());
-    this->record(a);
-    return accept_result::accepted;
+    return store(a, segment);
   }
 
   /// A segment delivered elsewhere (a transport without slots): validated,
   /// then copied into its slot. Refused segments leave the slot untouched.
   accept_result accept(std::span<const std::byte> segment) {
-    const auto a = this->admit(segment);
-    if (a.duplicate) return accept_result::duplicate;
-    if (a.stream == 0)  // checks the parameters: a refusal leaves the slot untouched
-      detail::expand_params(this->geometry(), this->layer(), segment.data() + segment_header_bytes,
-                            params_.data());
-    auto dst = slots_[a.stream];
-    if (segment.data() != dst.data()) std::memcpy(dst.data(), segment.data(), dst.size());
-    this->record(a);
-    return accept_result::accepted;
+    return store(this->admit(segment), segment);
   }
 
   [[nodiscard]] view_type view() const { return view_at(this->precision_level()); }
@@ -420,6 +402,19 @@ class slot_tensor : public stream_ledger<Plan, G> {
   }
 
  private:
+  // An admitted segment into its slot (copied only when it lies elsewhere); the
+  // parameters are checked first, so a refusal leaves the slot untouched.
+  accept_result store(const typename ledger::admission& a, std::span<const std::byte> segment) {
+    if (a.duplicate) return accept_result::duplicate;
+    if (a.stream == 0)
+      detail::expand_params(this->geometry(), this->layer(), segment.data() + segment_header_bytes,
+                            params_.data());
+    const auto dst = slots_[a.stream];
+    if (segment.data() != dst.data()) std::memcpy(dst.data(), segment.data(), dst.size());
+    this->record(a);
+    return accept_result::accepted;
+  }
+
   aligned_buffer params_;
   std::array<std::span<std::byte>, max_streams> slots_{};
 };

@@ -87,8 +87,8 @@ namespace lynx {
 /// allocation per stream, filled by stream-ordered copies on `stream()`.
 /// A view is valid for kernels launched on that stream (or after synchronizing it).
 template <stream_plan_type Plan, int G>
-class bitplane_tensor<Plan, G, device_space> : public detail::stream_ledger<Plan, G> {
-  using ledger = detail::stream_ledger<Plan, G>;
+class bitplane_tensor<Plan, G, device_space> : public stream_ledger<Plan, G> {
+  using ledger = stream_ledger<Plan, G>;
 
  public:
   using plan = Plan;

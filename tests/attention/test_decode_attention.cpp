@@ -191,6 +191,17 @@ TEST_CASE_TEMPLATE("groups of 64 tokens / channels: a value group spans several 
   accuracy_case<Plan, 64>(200, 3, 5, 64, 1, 1);    // 4 heads and 1 head per group of 5
 }
 
+// Plane counts outside detail::compiled_plane_counts (1, 3, 5, 7, 9, 13, 15): the
+// portable loops run with the count known at run time and the AVX2 walk falls back
+// to them; every path must still give the same bits, within the fp64 bound.
+TEST_CASE_TEMPLATE("levels of plane counts the walks are not compiled for", Plan,
+                   lynx::stream_plan<8, 1, 2, 5>, lynx::stream_plan<16, 3, 6, 4, 3>,
+                   lynx::stream_plan<16, 9, 6, 1>) {
+  accuracy_case<Plan>(37, 2, 4, 64, 5, 3);
+  accuracy_case<Plan>(140, 1, 3, 128, 2, 2);  // the transposed value decode's head_dim
+  accuracy_case<Plan>(45, 2, 2, 24, 3, 2);
+}
+
 TEST_CASE("long context: several splits, large GQA group") {
   accuracy_case<lynx::plan_8_4_4>(3000, 2, 8, 64, 1030, 4);  // tail crosses a split boundary
 }

@@ -77,7 +77,21 @@ struct code_view {
   [[nodiscard]] const code_type* value_row(std::int64_t h, std::int64_t t) const {
     return value_codes + (h * geometry.blocks() * tokens_per_word + t) * geometry.head_dim;
   }
+  /// The view's data without its plan and group size in the type (they are in
+  /// geometry): what the host attention walks read, one walk per code type.
+  [[nodiscard]] detail::code_data<code_type> data() const {
+    return {geometry, params, key_codes, value_codes};
+  }
 };
+
+namespace detail {
+/// The attention source of a code view.
+template <stream_plan_type Plan, int G>
+code_kv_source<code_data<typename code_view<Plan, G>::code_type>> code_source(
+    const code_view<Plan, G>& v) {
+  return {v.data(), Plan::bits};
+}
+}  // namespace detail
 
 /// The codes of a complete layer, owned (see the layout above).
 template <stream_plan_type Plan, int G = 32>
@@ -124,7 +138,7 @@ class code_tensor {
     geometry_ = g;
     layer_ = v.layer;
     std::memcpy(params_.data(), v.params, params);
-    const detail::plane_kv_source<Plan, G> src{v, Plan::bits};
+    const detail::plane_kv_source src = detail::plane_source(v, Plan::bits);
     code_type* kc = reinterpret_cast<code_type*>(keys_.data());
     code_type* vc = reinterpret_cast<code_type*>(values_.data());
     const std::int64_t tile_floats = D * tokens_per_word;

@@ -719,12 +719,10 @@ void decode_attention<Variant>::operator()(const Prompt& prompt,
     run(p, static_cast<const detail::dense_kv_source<TailT>*>(nullptr), tail_keys, tail_values, q,
         vis, out, ws, options, simd, fallback);
   } else if constexpr (requires { prompt.key_codes; }) {
-    const detail::code_kv_source<std::remove_cvref_t<Prompt>> src{prompt};
+    const auto src = detail::code_source(prompt);
     run(p, &src, tail_keys, tail_values, q, vis, out, ws, options, simd, fallback);
   } else if constexpr (requires { prompt.geometry; }) {
-    using view_t = std::remove_cvref_t<Prompt>;
-    const detail::plane_kv_source<typename view_t::plan, view_t::group_size> src{prompt,
-                                                                                 prompt.planes()};
+    const detail::plane_kv_source src = detail::plane_source(prompt, prompt.planes());
     run(p, &src, tail_keys, tail_values, q, vis, out, ws, options, simd, fallback);
   } else {
     using T = std::remove_const_t<typename decltype(prompt.keys)::element_type>;
@@ -746,15 +744,17 @@ struct attention_source<no_prompt, TailT> {
 };
 template <stream_plan_type Plan, int G, class TailT>
 struct attention_source<bitplane_view<Plan, G, host_space>, TailT> {
-  using type = plane_kv_source<Plan, G>;
+  using type = plane_kv_source;
   static constexpr bool present = true;
-  static type make(const bitplane_view<Plan, G, host_space>& v) { return {v, v.planes()}; }
+  static type make(const bitplane_view<Plan, G, host_space>& v) {
+    return plane_source(v, v.planes());
+  }
 };
 template <stream_plan_type Plan, int G, class TailT>
 struct attention_source<code_view<Plan, G>, TailT> {
-  using type = code_kv_source<code_view<Plan, G>>;
+  using type = code_kv_source<code_data<typename code_view<Plan, G>::code_type>>;
   static constexpr bool present = true;
-  static type make(const code_view<Plan, G>& v) { return {v}; }
+  static type make(const code_view<Plan, G>& v) { return code_source(v); }
 };
 template <class T, class TailT>
 struct attention_source<dense_prompt<T>, TailT> {
@@ -868,4 +868,8 @@ void decode_attention<Variant>::batch(std::span<const attention_request<Prompt, 
 #include "lynx/kernels/instances.hpp"
 LYNX_KERNELS_FOR_EACH(LYNX_KERNELS_DECLARE_ATTENTION)
 LYNX_KERNELS_ATTENTION_DENSE(extern)
+LYNX_KERNELS_WALKS(extern)
+#if LYNX_ATTENTION_AVX512
+LYNX_KERNELS_WALK_HEADS(extern)
+#endif
 #endif

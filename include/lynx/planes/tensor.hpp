@@ -26,6 +26,59 @@
 
 namespace lynx {
 
+namespace detail {
+
+/// A bit-plane layer's data as a bitplane_view holds it, with the plan and the group
+/// sizes only in `geometry` (run-time values): the host attention walks take this,
+/// so one compiled walk serves every plan and group size.
+struct plane_data {
+  layer_geometry geometry{};
+  std::array<const std::byte*, max_streams> payload{};
+  const std::byte* params = nullptr;
+
+  const float* key_scale() const {
+    return reinterpret_cast<const float*>(params + geometry.key_scale_offset());
+  }
+  const float* key_zero() const {
+    return reinterpret_cast<const float*>(params + geometry.key_zero_offset());
+  }
+  const float* value_scale() const {
+    return reinterpret_cast<const float*>(params + geometry.value_scale_offset());
+  }
+  const float* value_zero() const {
+    return reinterpret_cast<const float*>(params + geometry.value_zero_offset());
+  }
+  const std::uint32_t* key_planes(int s) const {
+    return reinterpret_cast<const std::uint32_t*>(payload[s] + geometry.key_planes_offset(s));
+  }
+  const std::uint32_t* value_planes(int s) const {
+    return reinterpret_cast<const std::uint32_t*>(payload[s] + geometry.value_planes_offset(s));
+  }
+  /// bitplane_view::for_each_range.
+  template <class F>
+  void for_each_range(bool keys, int planes, std::int64_t h, std::int64_t t0, std::int64_t t1,
+                      F&& f) const {
+    if (t1 <= t0) return;
+    const layer_geometry& g = geometry;
+    const auto p = keys ? g.key_params_of(h, t0, t1) : g.value_params_of(h, t0, t1);
+    f(static_cast<const void*>((keys ? key_scale() : value_scale()) + p.first),
+      (p.end - p.first) * 4);
+    f(static_cast<const void*>((keys ? key_zero() : value_zero()) + p.first),
+      (p.end - p.first) * 4);
+    const std::int64_t b0 = t0 / tokens_per_word, b1 = (t1 + tokens_per_word - 1) / tokens_per_word;
+    int j = 0;
+    for (int st = 0; j < planes; ++st) {  // blocks of a kv head are consecutive in each stream
+      const int n = std::min(g.planes_in(st), planes - j);
+      const std::uint32_t* base = keys ? key_planes(st) : value_planes(st);
+      f(static_cast<const void*>(base + g.word_index(st, h, b0, 0, 0)),
+        ((b1 - b0 - 1) * g.planes_in(st) + n) * g.head_dim * 4);
+      j += n;
+    }
+  }
+};
+
+}  // namespace detail
+
 /// A non-owning view of a layer's streams at a precision level.
 template <stream_plan_type Plan, int G = 32, memory_space Space = host_space>
 struct bitplane_view {
@@ -67,23 +120,11 @@ struct bitplane_view {
   template <class F>
   void for_each_range(bool keys, int planes, std::int64_t h, std::int64_t t0, std::int64_t t1,
                       F&& f) const {
-    if (t1 <= t0) return;
-    const layer_geometry& g = geometry;
-    const auto p = keys ? g.key_params_of(h, t0, t1) : g.value_params_of(h, t0, t1);
-    f(static_cast<const void*>((keys ? key_scale() : value_scale()) + p.first),
-      (p.end - p.first) * 4);
-    f(static_cast<const void*>((keys ? key_zero() : value_zero()) + p.first),
-      (p.end - p.first) * 4);
-    const std::int64_t b0 = t0 / tokens_per_word, b1 = (t1 + tokens_per_word - 1) / tokens_per_word;
-    int j = 0;
-    for (int st = 0; j < planes; ++st) {  // blocks of a kv head are consecutive in each stream
-      const int n = std::min(g.planes_in(st), planes - j);
-      const std::uint32_t* base = keys ? key_planes(st) : value_planes(st);
-      f(static_cast<const void*>(base + g.word_index(st, h, b0, 0, 0)),
-        ((b1 - b0 - 1) * g.planes_in(st) + n) * g.head_dim * 4);
-      j += n;
-    }
+    data().for_each_range(keys, planes, h, t0, t1, static_cast<F&&>(f));
   }
+  /// The view's data without its plan and group size in the type (they are in
+  /// geometry): what the host attention walks read, one walk for every plan.
+  detail::plane_data data() const { return {geometry, payload, params}; }
   /// The same view at a lower precision level (at most the current one).
   bitplane_view at_level(int l) const {
     detail::require(l >= 1 && l <= level, errc::invalid_argument,

@@ -542,18 +542,17 @@ LYNX_ATTENTION_AVX2_TARGET void fold_queries_avx2(const Source& src, std::int64_
 
 /// Logits of tokens [t0, t1) of a bit-plane prompt (score_blocks_portable's walk):
 /// each block decoded once by decode_key_tile_avx2, scored per key group it holds.
-template <stream_plan_type Plan, int G>
-LYNX_ATTENTION_AVX2_TARGET void score_tokens_avx2(const plane_kv_source<Plan, G>& src,
-                                                  std::int64_t kv_head, const float* q, int heads,
-                                                  std::int64_t t0, std::int64_t t1,
-                                                  const split_scratch& w,
-                                                  const next_split& next = {}) {
+LYNX_ATTENTION_AVX2_TARGET inline void score_tokens_avx2(const plane_kv_source& src,
+                                                         std::int64_t kv_head, const float* q,
+                                                         int heads, std::int64_t t0,
+                                                         std::int64_t t1, const split_scratch& w,
+                                                         const next_split& next = {}) {
   const layer_geometry& g = src.view.geometry;
   const int D = static_cast<int>(g.head_dim);
   const std::int64_t KG = g.key_group;
   const std::int64_t b0 = t0 / attention_block_tokens;
   const int nb = static_cast<int>((t1 + attention_block_tokens - 1) / attention_block_tokens - b0);
-  with_level_planes<Plan>(src.planes, [&](auto p) LYNX_ATTENTION_AVX2_TARGET {
+  with_compiled_plane_count(src.planes, [&](auto p) LYNX_ATTENTION_AVX2_TARGET {
     constexpr int P = p();
     constexpr bool Two = P > 8;             // codes of more than a byte
     constexpr int pl = std::max(P - 8, 0);  // planes of the codes' low byte
@@ -591,11 +590,11 @@ LYNX_ATTENTION_AVX2_TARGET void score_tokens_avx2(const plane_kv_source<Plan, G>
 /// accumulate_values_avx2) take this source: head_dim a multiple of 8, each
 /// 8-channel chunk within one value group, and 1, 2, 4 or 8 value groups per token
 /// (a token's groups side by side in the weights fill whole 8-lane steps).
-template <stream_plan_type Plan, int G>
-bool avx2_value_planes(const plane_kv_source<Plan, G>& src) {
+inline bool avx2_value_planes(const plane_kv_source& src) {
   const layer_geometry& g = src.view.geometry;
   const std::int64_t groups = g.value_channel_groups();
-  return g.head_dim % 8 == 0 && (g.value_group % 8 == 0 || groups == 1) &&
+  return plane_count_compiled(src.planes) && g.head_dim % 8 == 0 &&
+         (g.value_group % 8 == 0 || groups == 1) &&
          (groups == 1 || groups == 2 || groups == 4 || groups == 8);
 }
 
@@ -605,10 +604,10 @@ bool avx2_value_planes(const plane_kv_source<Plan, G>& src) {
 /// (t - t0) mod 16 of each group, value_offset_step in token order, then
 /// reduce_lanes. Eight (token, group) elements per step; the scale terms are
 /// computed once for all heads.
-template <stream_plan_type Plan, int G>
-LYNX_ATTENTION_AVX2_TARGET void value_weights_avx2(const plane_kv_source<Plan, G>& src,
-                                                   std::int64_t kv_head, int heads, std::int64_t t0,
-                                                   std::int64_t t1, const split_scratch& w) {
+LYNX_ATTENTION_AVX2_TARGET inline void value_weights_avx2(const plane_kv_source& src,
+                                                          std::int64_t kv_head, int heads,
+                                                          std::int64_t t0, std::int64_t t1,
+                                                          const split_scratch& w) {
   const layer_geometry& g = src.view.geometry;
   const int groups = static_cast<int>(g.value_channel_groups());
   const float unit = src.level_unit(), half = src.half();
@@ -730,11 +729,10 @@ LYNX_ATTENTION_AVX2_TARGET __attribute__((noinline)) void add_value_codes_avx2(
 
 /// accumulate_values_portable of a bit-plane prompt (the same sums in the same
 /// order) with the weights of value_weights_avx2; avx2_value_planes(src).
-template <stream_plan_type Plan, int G>
-LYNX_ATTENTION_AVX2_TARGET void accumulate_values_avx2(const plane_kv_source<Plan, G>& src,
-                                                       std::int64_t kv_head, int heads,
-                                                       std::int64_t t0, std::int64_t t1, float* acc,
-                                                       const split_scratch& w) {
+LYNX_ATTENTION_AVX2_TARGET inline void accumulate_values_avx2(const plane_kv_source& src,
+                                                              std::int64_t kv_head, int heads,
+                                                              std::int64_t t0, std::int64_t t1,
+                                                              float* acc, const split_scratch& w) {
   const layer_geometry& g = src.view.geometry;
   const int D = static_cast<int>(g.head_dim);
   const int groups = static_cast<int>(g.value_channel_groups());
@@ -742,7 +740,7 @@ LYNX_ATTENTION_AVX2_TARGET void accumulate_values_avx2(const plane_kv_source<Pla
   float* odd = w.odd;
   std::fill(acc, acc + heads * D, 0.0f);
   std::fill(odd, odd + heads * D, 0.0f);
-  with_level_planes<Plan>(src.planes, [&](auto p) LYNX_ATTENTION_AVX2_TARGET {
+  with_compiled_plane_count(src.planes, [&](auto p) LYNX_ATTENTION_AVX2_TARGET {
     constexpr int P = p();
     constexpr bool Two = P > 8;             // codes of more than a byte
     constexpr bool Nib = P <= 4;            // plane_code_nibbles_avx2's codes

@@ -213,8 +213,7 @@ LYNX_ATTENTION_AVX512_TARGET inline void value_weights_tile_avx512(
 
 /// True when accumulate_values_avx512 runs the GFNI value kernels (which compute
 /// the value weights themselves), false when it runs the portable loop.
-template <stream_plan_type Plan, int G>
-bool gfni_values(const plane_kv_source<Plan, G>& src) {
+inline bool gfni_values(const plane_kv_source& src) {
   return host_has_gfni() && src.view.geometry.value_group % 16 == 0;
 }
 

@@ -32,10 +32,9 @@ namespace lynx::detail {
 /// Two: more than 8 planes. `walk` steps Lines lines every other channel, into
 /// the cache level of Hint.
 template <int HC, bool Two, int Lines, int Hint>
-LYNX_ATTENTION_GFNI_TARGET inline void score_block_fused_gfni(const std::uint32_t* const* rows,
-                                                              int planes, int D, const float* qs,
-                                                              const float* bias, float* out,
-                                                              prefetch_walk& walk_io) {
+LYNX_ATTENTION_GFNI_TARGET void score_block_fused_gfni(const std::uint32_t* const* rows, int planes,
+                                                       int D, const float* qs, const float* bias,
+                                                       float* out, prefetch_walk& walk_io) {
   prefetch_walk walk = walk_io;  // a local copy: its cursor stays in registers
   __m512i zext[4];
   token_byte_zext_gfni(zext);
@@ -267,10 +266,9 @@ LYNX_ATTENTION_AVX512_TARGET __attribute__((always_inline)) inline __m512 load16
 /// Lines > 0: `walk` steps Lines lines per channel, into the cache level of
 /// Hint, and the next block's codes are asked into L1.
 template <int HC, int Lines, int Hint, class Code>
-LYNX_ATTENTION_AVX512_TARGET inline void score_code_block_avx512(const Code* kb, int D,
-                                                                 const float* qs, const float* bias,
-                                                                 float* out,
-                                                                 prefetch_walk& walk_io) {
+LYNX_ATTENTION_AVX512_TARGET void score_code_block_avx512(const Code* kb, int D, const float* qs,
+                                                          const float* bias, float* out,
+                                                          prefetch_walk& walk_io) {
   prefetch_walk walk = walk_io;  // a local copy: its cursor stays in registers
   // the next block's codes into L1 (from L2, where the previous split's value
   // pass asked for them), one line per channel step
@@ -329,16 +327,14 @@ struct key_group_folds {
   }
 };
 
-template <stream_plan_type Plan, int G>
-LYNX_ATTENTION_AVX512_TARGET void score_tokens_avx512(const plane_kv_source<Plan, G>& src,
-                                                      std::int64_t kv_head, const float* q,
-                                                      int heads, std::int64_t t0, std::int64_t t1,
-                                                      const split_scratch& w,
-                                                      const next_split& next = {}) {
+LYNX_ATTENTION_AVX512_TARGET inline void score_tokens_avx512(
+    const plane_kv_source& src, std::int64_t kv_head, const float* q, int heads, std::int64_t t0,
+    std::int64_t t1, const split_scratch& w, const next_split& next = {}) {
   const int nb = static_cast<int>((t1 + attention_block_tokens - 1) / attention_block_tokens -
                                   t0 / attention_block_tokens);
   const layer_geometry& g = src.view.geometry;
   const int D = static_cast<int>(g.head_dim);
+  const std::int64_t KG = g.key_group;
   // the tile holds prefix << shift: fold 2^-shift into the query (exact, a power of two)
   const bool gfni = host_has_gfni();
   const int shift = gfni ? decoded_bits(src.planes) - src.planes : 0;
@@ -364,9 +360,9 @@ LYNX_ATTENTION_AVX512_TARGET void score_tokens_avx512(const plane_kv_source<Plan
   const int walk_lines = walk_step_lines(walk, nb * ((heads + 7) / 8) * ((D + 15) / 16 * 8));
   for (std::int64_t b = t0 / attention_block_tokens; b * attention_block_tokens < t1; ++b) {
     const std::int64_t tb = b * attention_block_tokens;
-    const std::int64_t grp = tb / G;  // G % 32 == 0: one key group per block
+    const std::int64_t grp = tb / KG;  // KG % 32 == 0: one key group per block
     fold(grp);
-    if (tb + attention_block_tokens < t1) fold((tb + attention_block_tokens) / G);
+    if (tb + attention_block_tokens < t1) fold((tb + attention_block_tokens) / KG);
     const float* qs = w.qs + (grp & 1) * heads * D;
     const float* bias = w.bias + (grp & 1) * heads;
     if (!gfni) {
@@ -378,7 +374,8 @@ LYNX_ATTENTION_AVX512_TARGET void score_tokens_avx512(const plane_kv_source<Plan
     src.prefetch_block(true, kv_head, b + prefetch_blocks);
     if (b + prefetch_blocks < g.blocks()) {  // the key parameters of that block's group
       const std::int64_t pf =
-          (kv_head * g.key_token_groups() + (b + prefetch_blocks) * attention_block_tokens / G) * D;
+          (kv_head * g.key_token_groups() + (b + prefetch_blocks) * attention_block_tokens / KG) *
+          D;
       prefetch_lines<3>(src.view.key_scale() + pf, D * 4);
       prefetch_lines<3>(src.view.key_zero() + pf, D * 4);
     }
@@ -413,12 +410,9 @@ LYNX_ATTENTION_AVX512_TARGET void score_tokens_avx512(const plane_kv_source<Plan
 /// Values over tokens [t0, t1) (see accumulate_values_portable): the GFNI
 /// kernels where the CPU has them and a chunk of 16 channels lies in one value
 /// group, else the portable loop (same operations, same bits).
-template <stream_plan_type Plan, int G>
-LYNX_ATTENTION_AVX512_TARGET void accumulate_values_avx512(const plane_kv_source<Plan, G>& src,
-                                                           std::int64_t kv_head, int heads,
-                                                           std::int64_t t0, std::int64_t t1,
-                                                           float* acc, const split_scratch& w,
-                                                           const next_split& next = {}) {
+LYNX_ATTENTION_AVX512_TARGET inline void accumulate_values_avx512(
+    const plane_kv_source& src, std::int64_t kv_head, int heads, std::int64_t t0, std::int64_t t1,
+    float* acc, const split_scratch& w, const next_split& next = {}) {
   const layer_geometry& g = src.view.geometry;
   const int D = static_cast<int>(g.head_dim);
   const std::int64_t groups = g.value_channel_groups(), VG = g.value_group;
@@ -554,11 +548,10 @@ LYNX_ATTENTION_AVX512_TARGET void score_tokens_avx512(const code_kv_source<View>
 /// of chunk k's group at the first token.
 /// `walk` steps Lines lines per pair, into the cache level of Hint.
 template <int HC, int NC, int Lines, int Hint, class Code>
-LYNX_ATTENTION_AVX512_TARGET inline void add_value_codes_avx512(const Code* rows, int D,
-                                                                std::int64_t pairs,
-                                                                const float* const (*wr)[NC],
-                                                                float* out,
-                                                                prefetch_walk& walk_io) {
+LYNX_ATTENTION_AVX512_TARGET void add_value_codes_avx512(const Code* rows, int D,
+                                                         std::int64_t pairs,
+                                                         const float* const (*wr)[NC], float* out,
+                                                         prefetch_walk& walk_io) {
   prefetch_walk walk = walk_io;  // a local copy: its cursor stays in registers
   __m512 e[HC][NC], o[HC][NC];
   for (int h = 0; h < HC; ++h)
@@ -642,6 +635,16 @@ LYNX_ATTENTION_AVX512_TARGET void accumulate_values_avx512(const code_kv_source<
 }
 
 }  // namespace lynx::detail
+
+// With lynx::kernels linked, these kernels are compiled there once (not
+// `inline`, so the declaration below keeps every other file from compiling them).
+// LYNX_KERNELS_SIMD_LINKED: a file that links the library's archive without its
+// other declarations (a test built header-only for -march=native) takes these
+// from it too: intrinsics, the same instructions whatever the file's flags.
+#if defined(LYNX_KERNELS) || defined(LYNX_KERNELS_SIMD_LINKED)
+#include "lynx/kernels/instances.hpp"
+LYNX_KERNELS_SIMD(extern)
+#endif
 
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic pop

@@ -43,22 +43,23 @@ inline std::uint32_t nibbles_to_bytes(std::uint32_t x) {
 /// The codes of tokens s..s+3 of channel c (bits s..s+3 of each plane word) as the
 /// bytes of x (planes 0..7, the high byte) and y (planes 8..P-1, the low byte;
 /// 0 for up to 8 planes): nibbles packed at nibble_slot, then nibbles_to_bytes.
+/// P = 0: `planes` planes (1..16), known at run time; else P planes (`planes` unused).
 template <int P>
 inline void nibble_code_bytes(const std::uint32_t* const* rows, int c, int s, std::uint32_t& x,
-                              std::uint32_t& y) {
-  constexpr int PH = P < 8 ? P : 8;
+                              std::uint32_t& y, int planes = P) {
+  const int n = P > 0 ? P : planes, PH = n < 8 ? n : 8;
   std::uint32_t v = 0, u = 0;
   for (int j = 0; j < PH; ++j) v |= ((rows[j][c] >> s) & 0xfu) << (4 * nibble_slot(PH - 1 - j));
-  for (int j = PH; j < P; ++j) u |= ((rows[j][c] >> s) & 0xfu) << (4 * nibble_slot(P - 1 - j));
+  for (int j = PH; j < n; ++j) u |= ((rows[j][c] >> s) & 0xfu) << (4 * nibble_slot(n - 1 - j));
   x = nibbles_to_bytes(v);
   y = nibbles_to_bytes(u);
 }
 
 /// Token i's code from byte i of the high and low words of nibble_code_bytes.
 template <int P>
-inline std::uint32_t nibble_code(std::uint32_t x, std::uint32_t y, int i) {
-  constexpr int PH = P < 8 ? P : 8;
-  return (((x >> (8 * i)) & 0xffu) << (P - PH)) | ((y >> (8 * i)) & 0xffu);
+inline std::uint32_t nibble_code(std::uint32_t x, std::uint32_t y, int i, int planes = P) {
+  const int n = P > 0 ? P : planes, PH = n < 8 ? n : 8;
+  return (((x >> (8 * i)) & 0xffu) << (n - PH)) | ((y >> (8 * i)) & 0xffu);
 }
 
 /// Codes of one 32-token block of P planes as floats, tile[c][32], a lane per
@@ -68,16 +69,18 @@ inline std::uint32_t nibble_code(std::uint32_t x, std::uint32_t y, int i) {
 /// of a channel being the SIMD lanes; byte i of nibble q's word is token 4q + i,
 /// written to lane 8i + q so that the stores stay contiguous. More than 8 planes:
 /// planes 0..7 and 8..P-1 each give a byte, the code is (high << (P - 8)) | low.
+/// P = 0: `planes` planes, known at run time (the same operations).
 template <int P>
-inline void decode_key_tile_portable(const std::uint32_t* const* rows, int D, float* tile) {
-  static_assert(P >= 1 && P <= 16);
+inline void decode_key_tile_portable(const std::uint32_t* const* rows, int D, float* tile,
+                                     int planes = P) {
+  static_assert(P >= 0 && P <= 16);
   constexpr int L = attention_block_tokens;
   for (int c = 0; c < D; ++c) {
     std::uint32_t x[L / 4], y[L / 4];  // byte i of x[q] (y[q]): token 4q + i's high (low) bits
-    for (int q = 0; q < L / 4; ++q) nibble_code_bytes<P>(rows, c, 4 * q, x[q], y[q]);
+    for (int q = 0; q < L / 4; ++q) nibble_code_bytes<P>(rows, c, 4 * q, x[q], y[q], planes);
     for (int i = 0; i < 4; ++i)
       for (int q = 0; q < L / 4; ++q)
-        tile[c * L + 8 * i + q] = code_float(nibble_code<P>(x[q], y[q], i));
+        tile[c * L + 8 * i + q] = code_float(nibble_code<P>(x[q], y[q], i, planes));
   }
 }
 
@@ -148,17 +151,22 @@ inline void decode_value_block_transposed(const std::uint32_t* const* rows,
 /// (decode_value_block_transposed); else four tokens at a time, each plane word
 /// giving the four tokens' bits (a nibble), packed and turned into a byte per
 /// token as the keys' (nibbles_to_bytes; planes 0..7 the high byte, 8..P-1 the low).
+/// P = 0: `planes` planes, known at run time (by nibbles for every head_dim).
 template <int P>
-inline void decode_value_block_portable(const std::uint32_t* const* rows, int D, float* tile) {
+inline void decode_value_block_portable(const std::uint32_t* const* rows, int D, float* tile,
+                                        int planes = P) {
   constexpr int L = attention_block_tokens;
-  if (D == 64) return decode_value_block_transposed<P, 64>(rows, tile);
-  if (D == 128) return decode_value_block_transposed<P, 128>(rows, tile);
-  if (D == 256) return decode_value_block_transposed<P, 256>(rows, tile);
+  if constexpr (P > 0) {
+    if (D == 64) return decode_value_block_transposed<P, 64>(rows, tile);
+    if (D == 128) return decode_value_block_transposed<P, 128>(rows, tile);
+    if (D == 256) return decode_value_block_transposed<P, 256>(rows, tile);
+  }
   for (int t = 0; t < L; t += 4)
     for (int c = 0; c < D; ++c) {
       std::uint32_t x, y;  // byte i: token t + i's high (low) bits
-      nibble_code_bytes<P>(rows, c, t, x, y);
-      for (int i = 0; i < 4; ++i) tile[(t + i) * D + c] = code_float(nibble_code<P>(x, y, i));
+      nibble_code_bytes<P>(rows, c, t, x, y, planes);
+      for (int i = 0; i < 4; ++i)
+        tile[(t + i) * D + c] = code_float(nibble_code<P>(x, y, i, planes));
     }
 }
 

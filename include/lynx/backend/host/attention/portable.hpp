@@ -131,20 +131,59 @@ inline void add_value_tile_portable(float* acc, float* odd, int heads, int D, st
     for (int c0 = 0; c0 < D; c0 += N) pass.template operator()<1>(h, c0);
 }
 
-/// Calls f(std::integral_constant<int, P>) for P = planes, one of the plane counts
-/// Plan's precision levels hold (its streams' running sums: 4 and 16 for
-/// 16 = 4 + 12), so loops over planes unroll and the loops around them vectorize.
-/// Only those counts are compiled: a bit-plane source never holds another
-/// (plane_kv_source::planes is planes_at_level of its view's level).
-template <stream_plan_type Plan, class F>
-void with_level_planes(int planes, F&& f) {
-  [&]<int... L>(std::integer_sequence<int, L...>) {
-    (void)((planes == Plan::planes_at_level(L + 1)
-                ? (f(std::integral_constant<int, Plan::planes_at_level(L + 1)>{}), true)
-                : false) ||
-           ...);
+/// The plane counts the walks are compiled for (every level of the named plans,
+/// and of 8 = 2 + 6, 8 = 6 + 2, 16 = 8 + 8): loops over their planes unroll and
+/// the loops around them vectorize. One walk serves every plan, so a count is
+/// compiled once for all plans. Other counts run the same operations with the
+/// count known at run time (P = 0 below).
+inline constexpr int compiled_plane_counts[] = {2, 4, 6, 8, 12, 16};
+
+inline bool plane_count_compiled(int planes) {
+  for (const int p : compiled_plane_counts)
+    if (planes == p) return true;
+  return false;
+}
+
+/// Calls f(std::integral_constant<int, P>) with P = planes if it is one of
+/// compiled_plane_counts, else with P = 0 (any count, given at run time).
+template <class F>
+void with_plane_count(int planes, F&& f) {
+  switch (planes) {
+    case 2:
+      return f(std::integral_constant<int, 2>{});
+    case 4:
+      return f(std::integral_constant<int, 4>{});
+    case 6:
+      return f(std::integral_constant<int, 6>{});
+    case 8:
+      return f(std::integral_constant<int, 8>{});
+    case 12:
+      return f(std::integral_constant<int, 12>{});
+    case 16:
+      return f(std::integral_constant<int, 16>{});
+    default:
+      return f(std::integral_constant<int, 0>{});
   }
-  (std::make_integer_sequence<int, Plan::streams>{});
+}
+
+/// with_plane_count for kernels compiled for the counts of compiled_plane_counts
+/// only (the caller checked plane_count_compiled).
+template <class F>
+void with_compiled_plane_count(int planes, F&& f) {
+  switch (planes) {
+    case 2:
+      return f(std::integral_constant<int, 2>{});
+    case 4:
+      return f(std::integral_constant<int, 4>{});
+    case 6:
+      return f(std::integral_constant<int, 6>{});
+    case 8:
+      return f(std::integral_constant<int, 8>{});
+    case 12:
+      return f(std::integral_constant<int, 12>{});
+    default:
+      return f(std::integral_constant<int, 16>{});
+  }
 }
 
 /// Scores of tokens [la, lb) of one 32-token block, of the heads' folded queries
@@ -210,16 +249,15 @@ void score_blocks_portable(const Source& src, std::int64_t kv_head, const float*
 }
 
 /// Logits of tokens [t0, t1) of a bit-plane prompt: scores[h][t - t0].
-template <stream_plan_type Plan, int G>
-void score_tokens_portable(const plane_kv_source<Plan, G>& src, std::int64_t kv_head,
-                           const float* q, int heads, std::int64_t t0, std::int64_t t1,
-                           const split_scratch& w) {
+inline void score_tokens_portable(const plane_kv_source& src, std::int64_t kv_head, const float* q,
+                                  int heads, std::int64_t t0, std::int64_t t1,
+                                  const split_scratch& w) {
   const int D = static_cast<int>(src.view.geometry.head_dim);
   score_blocks_portable(src, kv_head, q, heads, t0, t1, w, true, [&](std::int64_t b) {
     const std::uint32_t* rows[16];
     src.block_rows(true, kv_head, b, rows);
-    with_level_planes<Plan>(src.planes,
-                            [&](auto p) { decode_key_tile_portable<p()>(rows, D, w.tile); });
+    with_plane_count(src.planes,
+                     [&](auto p) { decode_key_tile_portable<p()>(rows, D, w.tile, src.planes); });
     return static_cast<const float*>(w.tile);
   });
 }
@@ -272,10 +310,9 @@ void value_weights_portable(const Source& src, std::int64_t kv_head, int heads, 
 /// even + odd, then the offset. Lane = channel in the SIMD kernels, which take
 /// two tokens per step (a lane per token parity): the sums stay in registers
 /// and need one addition at the end.
-template <stream_plan_type Plan, int G>
-void accumulate_values_portable(const plane_kv_source<Plan, G>& src, std::int64_t kv_head,
-                                int heads, std::int64_t t0, std::int64_t t1, float* acc,
-                                const split_scratch& w) {
+inline void accumulate_values_portable(const plane_kv_source& src, std::int64_t kv_head, int heads,
+                                       std::int64_t t0, std::int64_t t1, float* acc,
+                                       const split_scratch& w) {
   const layer_geometry& g = src.view.geometry;
   const int D = static_cast<int>(g.head_dim);
   const std::int64_t groups = g.value_channel_groups(), VG = g.value_group;
@@ -287,8 +324,8 @@ void accumulate_values_portable(const plane_kv_source<Plan, G>& src, std::int64_
   for (std::int64_t b = t0 / attention_block_tokens; b * attention_block_tokens < t1; ++b) {
     src.block_rows(false, kv_head, b, rows);
     const std::int64_t tb = b * attention_block_tokens;
-    with_level_planes<Plan>(src.planes,
-                            [&](auto p) { decode_value_block_portable<p()>(rows, D, tile); });
+    with_plane_count(src.planes,
+                     [&](auto p) { decode_value_block_portable<p()>(rows, D, tile, src.planes); });
     const std::int64_t ta = std::max(tb, t0), tz = std::min(tb + attention_block_tokens, t1);
     add_value_tile_portable(acc, odd, heads, D, groups, VG, w.weights + (ta - t0),
                             tile + (ta - tb) * D, ta, tz);

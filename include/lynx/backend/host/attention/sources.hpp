@@ -20,10 +20,11 @@ namespace lynx::detail {
 /// Bits of the integers the GFNI decoders give for P planes: prefix << (decoded_bits(P) - P).
 inline int decoded_bits(int planes) { return planes > 8 ? 16 : 8; }
 
-/// A bit-plane prompt at `planes` planes of Plan::bits.
-template <stream_plan_type Plan, int G>
+/// A bit-plane prompt at `planes` planes, of any plan and group size (both are
+/// run-time values of view.geometry): every plan's prompt is walked by the same
+/// compiled walk.
 struct plane_kv_source {
-  bitplane_view<Plan, G, host_space> view;
+  plane_data view;
   int planes = 0;
   [[nodiscard]] std::int64_t tokens() const { return view.geometry.tokens; }
   [[nodiscard]] int head_dim() const { return static_cast<int>(view.geometry.head_dim); }
@@ -63,9 +64,20 @@ struct plane_kv_source {
     view.for_each_range(keys, planes, h, t0, t1,
                         [&](const void* base, std::int64_t bytes) { walk.add(base, bytes); });
   }
-  [[nodiscard]] float level_unit() const { return static_cast<float>(1u << (Plan::bits - planes)); }
-  [[nodiscard]] float half() const { return midpoint_offset<Plan::bits>(planes); }
+  [[nodiscard]] float level_unit() const {
+    return static_cast<float>(1u << (view.geometry.plan.bits - planes));
+  }
+  /// midpoint_offset<bits>(planes).
+  [[nodiscard]] float half() const {
+    return static_cast<float>((1u << (view.geometry.plan.bits - planes)) - 1u) * 0.5f;
+  }
 };
+
+/// The source of a bit-plane view at `planes` planes.
+template <stream_plan_type Plan, int G>
+plane_kv_source plane_source(const bitplane_view<Plan, G, host_space>& v, int planes) {
+  return {v.data(), planes};
+}
 
 /// Full-precision K/V (engine tail, or the 16-bit baseline's prompt).
 template <class T>
@@ -75,19 +87,55 @@ struct dense_kv_source {
   [[nodiscard]] int head_dim() const { return static_cast<int>(keys.shape.head_dim); }
 };
 
+/// A lynx::code_view's data with its plan and group size only in `geometry`
+/// (run-time values): Code is uint8_t (codes of up to 8 bits) or uint16_t.
+template <class Code>
+struct code_data {
+  using code_type = Code;
+  layer_geometry geometry{};
+  const std::byte* params = nullptr;
+  const Code* key_codes = nullptr;
+  const Code* value_codes = nullptr;
+
+  [[nodiscard]] const float* key_scale() const {
+    return reinterpret_cast<const float*>(params + geometry.key_scale_offset());
+  }
+  [[nodiscard]] const float* key_zero() const {
+    return reinterpret_cast<const float*>(params + geometry.key_zero_offset());
+  }
+  [[nodiscard]] const float* value_scale() const {
+    return reinterpret_cast<const float*>(params + geometry.value_scale_offset());
+  }
+  [[nodiscard]] const float* value_zero() const {
+    return reinterpret_cast<const float*>(params + geometry.value_zero_offset());
+  }
+  /// Key codes of block b of kv head h: [head_dim][32].
+  [[nodiscard]] const Code* key_block(std::int64_t h, std::int64_t b) const {
+    return key_codes + (h * geometry.blocks() + b) * geometry.head_dim * tokens_per_word;
+  }
+  /// Value codes of token t of kv head h: [head_dim] (t below blocks * 32).
+  [[nodiscard]] const Code* value_row(std::int64_t h, std::int64_t t) const {
+    return value_codes + (h * geometry.blocks() * tokens_per_word + t) * geometry.head_dim;
+  }
+};
+
 /// A complete layer's codes laid out for attention (lynx::code_view): key codes
 /// [kv_heads][blocks][head_dim][32] (lane = token), value codes [kv_heads][blocks * 32][head_dim]
 /// (lane = channel), the anchor's parameters. The same math as a plane_kv_source at all
 /// planes, the same bits; only the decoding of the planes is gone.
+/// View: code_data<Code> (any plan and group size: one walk per code type).
 template <class View>
 struct code_kv_source {
   View view;
-  int planes = View::plan::bits;
+  int planes = 0;  // the plan's bits
   using code_type = typename View::code_type;
   [[nodiscard]] float level_unit() const {
-    return static_cast<float>(1u << (View::plan::bits - planes));
+    return static_cast<float>(1u << (view.geometry.plan.bits - planes));
   }
-  [[nodiscard]] float half() const { return midpoint_offset<View::plan::bits>(planes); }
+  /// midpoint_offset<bits>(planes).
+  [[nodiscard]] float half() const {
+    return static_cast<float>((1u << (view.geometry.plan.bits - planes)) - 1u) * 0.5f;
+  }
   /// Adds to `walk` everything one split [t0, t1) of kv head h reads, keys or
   /// values, in the order the kernels read it: scales and zeros, then codes.
   void walk_split(prefetch_walk& walk, bool keys, std::int64_t h, std::int64_t t0,

@@ -22,10 +22,9 @@
 namespace lynx::detail {
 
 /// Whether the AVX-512 kernels handle this source (else the portable ones do).
-template <stream_plan_type Plan, int G>
-bool avx512_supports(const plane_kv_source<Plan, G>&) {
-  return G % attention_block_tokens ==
-         0;  // one key group per 32-token block; any head_dim and value group
+inline bool avx512_supports(const plane_kv_source& src) {
+  // one key group per 32-token block; any head_dim and value group
+  return src.view.geometry.key_group % attention_block_tokens == 0;
 }
 template <class View>
 bool avx512_supports(const code_kv_source<View>& src) {
@@ -210,7 +209,10 @@ LYNX_ATTENTION_FMA_CLONE void compute_split_avx2(const Source& src, std::int64_t
     else
       score_tokens_portable_fma(src, kv_head, q, heads, t0, t1, w);
   } else if constexpr (requires { src.prefetch_block(true, 0, 0); }) {  // bit planes
-    score_tokens_avx2(src, kv_head, q, heads, t0, t1, w, next);
+    if (plane_count_compiled(src.planes))  // else the portable loops (the same bits)
+      score_tokens_avx2(src, kv_head, q, heads, t0, t1, w, next);
+    else
+      score_tokens_portable_fma(src, kv_head, q, heads, t0, t1, w);
   } else {  // merged codes
     score_tokens_portable_fma(src, kv_head, q, heads, t0, t1, w);
   }

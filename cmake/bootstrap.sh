@@ -6,6 +6,8 @@
 #   libucx-dev iproute2                               UCX transport adapter; network namespaces for the slow-link bench
 # With --aarch64 also (the ARM cross check, `cmake --workflow --preset aarch64`):
 #   g++-aarch64-linux-gnu qemu-user                   cross compiler; runs the ARM tests
+# With --fuzz also (the libFuzzer targets, tests/fuzz/run.sh):
+#   clang                                             clang++ and its libFuzzer and sanitizer runtimes
 # The CUDA toolkit is optional and not installed here (nvcc enables lynx::cuda).
 set -euo pipefail
 
@@ -13,7 +15,8 @@ packages=(build-essential cmake ninja-build git pkg-config doctest-dev libbenchm
 for arg in "$@"; do
   case "$arg" in
     --aarch64) packages+=(g++-aarch64-linux-gnu qemu-user) ;;
-    *) echo "bootstrap: unknown option '$arg' (known: --aarch64)" >&2; exit 2 ;;
+    --fuzz) packages+=(clang) ;;
+    *) echo "bootstrap: unknown option '$arg' (known: --aarch64, --fuzz)" >&2; exit 2 ;;
   esac
 done
 

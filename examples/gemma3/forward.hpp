@@ -27,8 +27,14 @@
 #include <utility>
 #include <vector>
 
+#if (defined(__x86_64__) || defined(_M_X64)) && (defined(__GNUC__) || defined(__clang__)) && \
+    !defined(__CUDACC__)
+#include <immintrin.h>
+#endif
+
 #include "gemma3/model.hpp"
 #include "llama2c/forward.hpp"  // detail::dot (fixed order) and detail::kv_range
+#include "lynx/backend/host/isa.hpp"
 #include "lynx/backend/host/parallel.hpp"
 
 namespace lynx_examples::gemma3 {
@@ -61,6 +67,64 @@ inline float gelu_tanh(float x) {
   return 0.5f * x * (1.0f + std::tanh(sqrt_2_over_pi * x * (1.0f + 0.044715f * x * x)));
 }
 
+/// out[t * stride + r] = dot(rows[r], in[t]) for r < rn, t < tokens (matmul's inner
+/// loops over a block of dequantized rows), as built.
+inline void matmul_block(float* out, std::ptrdiff_t stride, const float* in, const float* rows,
+                         int rn, int cols, int tokens) {
+  for (int t = 0; t < tokens; ++t) {
+    const float* x = in + static_cast<std::ptrdiff_t>(t) * cols;
+    float* o = out + static_cast<std::ptrdiff_t>(t) * stride;
+    for (int r = 0; r < rn; ++r) o[r] = dot(rows + static_cast<std::size_t>(r) * cols, x, cols);
+  }
+}
+
+#if LYNX_HOST_CPU_DISPATCH
+/// dot() of NR rows (row r at rows + r * cols) against x, into out[0..NR), on AVX2:
+/// lane j of a row's two registers is dot's partial sum j (elements i with i % 16
+/// == j, a multiply then an add each, in order; no FMA, nothing contracted), then
+/// dot's tail and halving tree: the same bits. The NR rows' sums are independent
+/// chains, so their additions overlap (dot alone waits on one chain per lane).
+template <int NR>
+__attribute__((target("avx2"), optimize("fp-contract=off"))) inline void dots_avx2(
+    const float* rows, int cols, const float* x, float* out) {
+  __m256 lo[NR], hi[NR];
+  for (int r = 0; r < NR; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
+  int i = 0;
+  for (; i + 16 <= cols; i += 16) {
+    const __m256 x0 = _mm256_loadu_ps(x + i), x1 = _mm256_loadu_ps(x + i + 8);
+    for (int r = 0; r < NR; ++r) {
+      const float* a = rows + static_cast<std::ptrdiff_t>(r) * cols + i;
+      lo[r] = _mm256_add_ps(lo[r], _mm256_mul_ps(_mm256_loadu_ps(a), x0));
+      hi[r] = _mm256_add_ps(hi[r], _mm256_mul_ps(_mm256_loadu_ps(a + 8), x1));
+    }
+  }
+  for (int r = 0; r < NR; ++r) {
+    const float* a = rows + static_cast<std::ptrdiff_t>(r) * cols;
+    alignas(32) float acc[16];
+    _mm256_store_ps(acc, lo[r]);
+    _mm256_store_ps(acc + 8, hi[r]);
+    for (int j = 0; i + j < cols; ++j) acc[j] += a[i + j] * x[i + j];
+    for (int width = 8; width >= 1; width /= 2)
+      for (int j = 0; j < width; ++j) acc[j] += acc[j + width];
+    out[r] = acc[0];
+  }
+}
+
+/// matmul_block on AVX2 (dots_avx2: the same bits), four rows at a time.
+__attribute__((target("avx2"))) inline void matmul_block_avx2(float* out, std::ptrdiff_t stride,
+                                                              const float* in, const float* rows,
+                                                              int rn, int cols, int tokens) {
+  for (int t = 0; t < tokens; ++t) {
+    const float* x = in + static_cast<std::ptrdiff_t>(t) * cols;
+    float* o = out + static_cast<std::ptrdiff_t>(t) * stride;
+    int r = 0;
+    for (; r + 4 <= rn; r += 4)
+      dots_avx2<4>(rows + static_cast<std::ptrdiff_t>(r) * cols, cols, x, o + r);
+    for (; r < rn; ++r) dots_avx2<1>(rows + static_cast<std::ptrdiff_t>(r) * cols, cols, x, o + r);
+  }
+}
+#endif
+
 /// out[t, r] = dot(row r of w, in[t, :]) for t < tokens: out [tokens, w.rows],
 /// in [tokens, w.cols]. Rows are dequantized a block at a time into per-thread
 /// scratch and reused for every token; threads take disjoint row blocks.
@@ -74,6 +138,9 @@ inline void matmul(float* out, const float* in, const matrix& w, int tokens, int
   if (work < (std::int64_t{1} << 18)) threads = 1;
   threads = std::min(threads, blocks);
   const std::size_t per_thread = static_cast<std::size_t>(block_rows) * w.cols;
+#if LYNX_HOST_CPU_DISPATCH
+  static const bool avx2 = __builtin_cpu_supports("avx2");
+#endif
   if (scratch.size() < per_thread * threads) scratch.resize(per_thread * threads);
   lynx::detail::parallel_for(threads, threads, [&](std::int64_t w0, std::int64_t w1) {
     for (std::int64_t worker = w0; worker < w1; ++worker) {
@@ -84,12 +151,13 @@ inline void matmul(float* out, const float* in, const matrix& w, int tokens, int
         const int r0 = b * block_rows, rn = std::min(block_rows, w.rows - r0);
         for (int r = 0; r < rn; ++r)
           w.dequantize_row(r0 + r, rows + static_cast<std::size_t>(r) * w.cols);
-        for (int t = 0; t < tokens; ++t) {
-          const float* x = in + static_cast<std::ptrdiff_t>(t) * w.cols;
-          float* o = out + static_cast<std::ptrdiff_t>(t) * w.rows + r0;
-          for (int r = 0; r < rn; ++r)
-            o[r] = dot(rows + static_cast<std::size_t>(r) * w.cols, x, w.cols);
+#if LYNX_HOST_CPU_DISPATCH
+        if (avx2) {
+          matmul_block_avx2(out + r0, w.rows, in, rows, rn, w.cols, tokens);
+          continue;
         }
+#endif
+        matmul_block(out + r0, w.rows, in, rows, rn, w.cols, tokens);
       }
     }
   });

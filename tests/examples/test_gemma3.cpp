@@ -222,6 +222,33 @@ TEST_CASE("the engine is batch invariant and decoding continues a prefill bitwis
                      << tok().piece(lynx::argmax_token(std::span(one))) << "\"");
 }
 
+TEST_CASE("the matmul's AVX2 block gives the bits of the baseline build") {
+#if LYNX_HOST_CPU_DISPATCH && !defined(__FMA__)  // (a build with FMA may contract dot())
+  if (!__builtin_cpu_supports("avx2")) {
+    MESSAGE("no AVX2 on this CPU: nothing to compare");
+    return;
+  }
+  // 15 rows (three of 4, three of 1) x 643 columns (a tail of 3 past the 16-lane
+  // steps), 5 tokens
+  const int rn = 15, cols = 643, tokens = 5;
+  std::vector<float> rows(static_cast<std::size_t>(rn) * cols),
+      in(static_cast<std::size_t>(tokens) * cols);
+  std::uint32_t state = 12345;
+  auto next = [&] {
+    state = state * 1664525u + 1013904223u;
+    return static_cast<float>(static_cast<std::int32_t>(state >> 8) - (1 << 23)) * 0x1p-20f;
+  };
+  for (float& x : rows) x = next();
+  for (float& x : in) x = next();
+  std::vector<float> base(static_cast<std::size_t>(tokens) * 20, -1.0f), wide(base);
+  g3::detail::matmul_block(base.data(), 20, in.data(), rows.data(), rn, cols, tokens);
+  g3::detail::matmul_block_avx2(wide.data(), 20, in.data(), rows.data(), rn, cols, tokens);
+  CHECK(std::memcmp(base.data(), wide.data(), base.size() * 4) == 0);
+#else
+  MESSAGE("not an x86-64 build without FMA: nothing to compare");
+#endif
+}
+
 TEST_CASE("window-aware transfer: local layers ship the last window - 1 prompt tokens") {
   const g3::config& c = model().cfg();
   CHECK(c.n_layers == 18);

@@ -64,9 +64,10 @@ void check_loaded(const l2::weights& w, std::size_t file_bytes) {
   const l2::config& c = w.cfg();
   if (static_cast<std::int64_t>(file_bytes) != l2::detail::checkpoint_bytes(c))
     failed("a checkpoint loaded whose size is not what its header implies");
-  const std::int64_t cap = std::max<std::int64_t>(std::int64_t{256} << 20,
-                                                  4 * static_cast<std::int64_t>(file_bytes));
-  if (l2::detail::kv_cache_bytes(c) > cap) failed("a checkpoint loaded whose KV cache is over the bound");
+  const std::int64_t cap =
+      std::max<std::int64_t>(std::int64_t{256} << 20, 4 * static_cast<std::int64_t>(file_bytes));
+  if (l2::detail::kv_cache_bytes(c) > cap)
+    failed("a checkpoint loaded whose KV cache is over the bound");
   if (static_cast<std::int64_t>(w.parameters().size()) != l2::detail::parameter_count(c))
     failed("parameter count differs from the config's");
   volatile float sum = touch(w.token_embedding()) + touch(w.rms_final()) + touch(w.classifier());

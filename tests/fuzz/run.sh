@@ -12,8 +12,8 @@
 # (what each run added; reused by a later run with the same outdir), logs/ and
 # findings/ (crash-*, leak-*, timeout-*, oom-* reproducers; LYNX_FUZZ_FINDINGS
 # puts them elsewhere). Environment: CXX (default clang++), LYNX_FUZZ_TARGETS
-# (a space-separated subset), LYNX_FUZZ_JOBS is not used: targets build and run
-# one at a time.
+# (a space-separated subset of the target names). Targets build and run one at
+# a time.
 #
 # Bounds, for every target: -timeout=10 (one input over 10 s is a hang),
 # -rss_limit_mb=2048, -malloc_limit_mb=64 (one allocation over 64 MiB fails:
@@ -42,7 +42,7 @@ probe=$out/bin/.probe
 printf 'extern "C" int LLVMFuzzerTestOneInput(const unsigned char*, unsigned long) { return 0; }\n' \
   >"$probe.cpp"
 "$cxx" -fsanitize=fuzzer,address,undefined "$probe.cpp" -o "$probe" >"$probe.log" 2>&1 ||
-  skip "$cxx cannot link -fsanitize=fuzzer,address,undefined (libFuzzer/sanitizer runtime missing; Debian: the clang package of that version ships it): $(head -c 400 "$probe.log")"
+  skip "$cxx cannot link -fsanitize=fuzzer,address,undefined (libFuzzer or sanitizer runtime missing; Debian: libclang-rt-14-dev, a dependency of clang-14): $(head -c 400 "$probe.log")"
 
 flags=(-std=c++20 -O1 -g -fno-omit-frame-pointer -fsanitize=fuzzer,address,undefined
        -fno-sanitize-recover=all)

@@ -91,20 +91,20 @@ ref_lane parse_reference(const std::vector<std::byte>& s, std::size_t cap) {
       return r;
     }
     if (s.size() - at < f.bytes) return r;
-    r.frames.push_back({f.ticket, std::vector<std::byte>(s.begin() + static_cast<std::ptrdiff_t>(at),
-                                                         s.begin() + static_cast<std::ptrdiff_t>(
-                                                                         at + f.bytes))});
+    r.frames.push_back(
+        {f.ticket, std::vector<std::byte>(s.begin() + static_cast<std::ptrdiff_t>(at),
+                                          s.begin() + static_cast<std::ptrdiff_t>(at + f.bytes))});
     at += static_cast<std::size_t>(f.bytes);
   }
   return r;
 }
 
 struct lane_io {
-  lynx::tcp_socket peer;               // the sender's end: the harness writes here
-  std::vector<std::byte> written;      // every byte written, for the reference parser
-  std::vector<ref_frame> handed;       // segments handed out on this lane
-  std::vector<std::byte> ack_bytes;    // acks read back, not yet parsed
-  std::vector<std::uint64_t> acks;     // tickets acked, in order
+  lynx::tcp_socket peer;             // the sender's end: the harness writes here
+  std::vector<std::byte> written;    // every byte written, for the reference parser
+  std::vector<ref_frame> handed;     // segments handed out on this lane
+  std::vector<std::byte> ack_bytes;  // acks read back, not yet parsed
+  std::vector<std::uint64_t> acks;   // tickets acked, in order
 };
 
 void read_acks(lane_io& l) {
@@ -115,7 +115,8 @@ void read_acks(lane_io& l) {
     l.ack_bytes.insert(l.ack_bytes.end(), buf.begin(), buf.begin() + r);
   }
   std::size_t at = 0;
-  for (; l.ack_bytes.size() - at >= sizeof(lynx::tcp_wire::ack); at += sizeof(lynx::tcp_wire::ack)) {
+  for (; l.ack_bytes.size() - at >= sizeof(lynx::tcp_wire::ack);
+       at += sizeof(lynx::tcp_wire::ack)) {
     lynx::tcp_wire::ack a;
     std::memcpy(&a, l.ack_bytes.data() + at, sizeof a);
     if (a.magic != lynx::tcp_wire::ack_magic || a.reserved != 0) failed("a malformed ack");
@@ -144,8 +145,10 @@ struct harness {
 
   void check_memory() const {
     std::size_t bound = 0;
-    for (const auto& l : lanes) bound += std::max<std::size_t>(std::size_t{1} << 20, 2 * l.written.size());
-    if (receiver.body_bytes_in_flight() > bound) failed("frame buffers exceed max(1 MiB, 2 x received)");
+    for (const auto& l : lanes)
+      bound += std::max<std::size_t>(std::size_t{1} << 20, 2 * l.written.size());
+    if (receiver.body_bytes_in_flight() > bound)
+      failed("frame buffers exceed max(1 MiB, 2 x received)");
   }
 
   // One try_receive; false when it reported the deadline.
@@ -252,8 +255,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   // Drain: with the lanes ended every call must make progress to a final status.
   for (int calls = 0;; ++calls) {
     if (calls > 1000000) failed("try_receive never settles");
-    const auto deadline = clock_type::now() + (end_lanes ? std::chrono::seconds(2)
-                                                         : std::chrono::seconds(0));
+    const auto deadline =
+        clock_type::now() + (end_lanes ? std::chrono::seconds(2) : std::chrono::seconds(0));
     if (!h.receive_once(deadline)) {
       if (end_lanes) failed("timeout with every byte written and every lane ended (a hang)");
       break;

@@ -124,8 +124,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     ucp_am_recv_param_t param{};
     param.recv_attr = (flags & 1) ? UCP_AM_RECV_ATTR_FIELD_REPLY_EP : 0;
     param.reply_ep = nullptr;
-    const ucs_status_t s = on_segment_address()(&rx, header.get(), header_length, payload.get(),
-                                                length, &param);
+    const ucs_status_t s =
+        on_segment_address()(&rx, header.get(), header_length, payload.get(), length, &param);
     if (s != UCS_OK) failed("on_segment returned a status other than UCS_OK for an eager message");
 
     lynx::detail::ucx_segment_header h;

@@ -110,6 +110,50 @@ __attribute__((target("avx2"), optimize("fp-contract=off"))) inline void dots_av
   }
 }
 
+/// dot() of NR rows against x on AVX-512 (F): lane j of a row's register is dot's
+/// partial sum j (a multiply then an add per element, in order; nothing contracted),
+/// then dot's tail and halving tree: the same bits. NR independent chains.
+template <int NR>
+__attribute__((target("avx512f"), optimize("fp-contract=off"))) inline void dots_avx512(
+    const float* rows, int cols, const float* x, float* out) {
+  __m512 acc[NR];
+  for (int r = 0; r < NR; ++r) acc[r] = _mm512_setzero_ps();
+  int i = 0;
+  for (; i + 16 <= cols; i += 16) {
+    const __m512 xv = _mm512_loadu_ps(x + i);
+    for (int r = 0; r < NR; ++r)
+      acc[r] = _mm512_add_ps(
+          acc[r],
+          _mm512_mul_ps(_mm512_loadu_ps(rows + static_cast<std::ptrdiff_t>(r) * cols + i), xv));
+  }
+  for (int r = 0; r < NR; ++r) {
+    const float* a = rows + static_cast<std::ptrdiff_t>(r) * cols;
+    alignas(64) float lanes[16];
+    _mm512_store_ps(lanes, acc[r]);
+    for (int j = 0; i + j < cols; ++j) lanes[j] += a[i + j] * x[i + j];
+    for (int width = 8; width >= 1; width /= 2)
+      for (int j = 0; j < width; ++j) lanes[j] += lanes[j + width];
+    out[r] = lanes[0];
+  }
+}
+
+/// matmul_block on AVX-512 (dots_avx512: the same bits), eight rows at a time.
+__attribute__((target("avx512f"))) inline void matmul_block_avx512(float* out,
+                                                                   std::ptrdiff_t stride,
+                                                                   const float* in,
+                                                                   const float* rows, int rn,
+                                                                   int cols, int tokens) {
+  for (int t = 0; t < tokens; ++t) {
+    const float* x = in + static_cast<std::ptrdiff_t>(t) * cols;
+    float* o = out + static_cast<std::ptrdiff_t>(t) * stride;
+    int r = 0;
+    for (; r + 8 <= rn; r += 8)
+      dots_avx512<8>(rows + static_cast<std::ptrdiff_t>(r) * cols, cols, x, o + r);
+    for (; r < rn; ++r)
+      dots_avx512<1>(rows + static_cast<std::ptrdiff_t>(r) * cols, cols, x, o + r);
+  }
+}
+
 /// matmul_block on AVX2 (dots_avx2: the same bits), four rows at a time.
 __attribute__((target("avx2"))) inline void matmul_block_avx2(float* out, std::ptrdiff_t stride,
                                                               const float* in, const float* rows,
@@ -139,6 +183,7 @@ inline void matmul(float* out, const float* in, const matrix& w, int tokens, int
   threads = std::min(threads, blocks);
   const std::size_t per_thread = static_cast<std::size_t>(block_rows) * w.cols;
 #if LYNX_HOST_CPU_DISPATCH
+  static const bool avx512 = __builtin_cpu_supports("avx512f");
   static const bool avx2 = __builtin_cpu_supports("avx2");
 #endif
   if (scratch.size() < per_thread * threads) scratch.resize(per_thread * threads);
@@ -152,6 +197,10 @@ inline void matmul(float* out, const float* in, const matrix& w, int tokens, int
         for (int r = 0; r < rn; ++r)
           w.dequantize_row(r0 + r, rows + static_cast<std::size_t>(r) * w.cols);
 #if LYNX_HOST_CPU_DISPATCH
+        if (avx512) {
+          matmul_block_avx512(out + r0, w.rows, in, rows, rn, w.cols, tokens);
+          continue;
+        }
         if (avx2) {
           matmul_block_avx2(out + r0, w.rows, in, rows, rn, w.cols, tokens);
           continue;

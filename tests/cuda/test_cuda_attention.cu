@@ -454,6 +454,56 @@ TEST_CASE_TEMPLATE("device batch invariance: a query alone gives the bits it get
   }
 }
 
+TEST_CASE("a batched call: each request's outputs are the bits of its solo call") {
+  // 6 requests over one layer of 8 = 4 + 4: the anchor alone for some, both streams
+  // for others; 1 to 3 queries each; tails seen to different depths
+  const std::int64_t T = 1100, H = 2, group = 4, D = 128, qh = H * group, tail = 300;
+  const lynx::kv_shape shape{T, H, D}, ts{tail, H, D};
+  const auto enc = encode_8_4_4(make_kv(T, H, D, 21, true), make_kv(T, H, D, 22, false), shape);
+  lynx::bitplane_tensor<lynx::plan_8_4_4, 32, lynx::device_space> tensor(shape, 0);
+  for (int s = 0; s < 2; ++s) tensor.accept(enc.segment(s));
+  LYNX_CUDA_CHECK(cudaStreamSynchronize(tensor.stream()));
+  const device_tail<bf16> dtail(convert<bf16>(make_kv(tail, H, D, 23, true)),
+                                convert<bf16>(make_kv(tail, H, D, 24, false)), ts);
+  const std::int64_t counts[6] = {1, 3, 2, 1, 2, 3};
+  const int levels[6] = {1, 2, 2, 1, 1, 2};
+  const std::int64_t seen[6] = {40, 300, 257, 1, 120, 200};
+  using request =
+      lynx::cuda::attention_request<lynx::bitplane_view<lynx::plan_8_4_4, 32, lynx::device_space>,
+                                    bf16>;
+  std::vector<request> requests;
+  std::vector<device_array<float>> queries, outs;
+  for (int r = 0; r < 6; ++r) {
+    queries.emplace_back(make_queries(counts[r], qh, D, 30 + static_cast<unsigned>(r)));
+    outs.emplace_back(static_cast<std::size_t>(counts[r] * qh * D));
+  }
+  for (int r = 0; r < 6; ++r)
+    requests.push_back(
+        {tensor.view_at(levels[r]), dtail.keys(), dtail.values(),
+         lynx::attention_queries{queries[static_cast<std::size_t>(r)].data(), counts[r], qh, D},
+         lynx::tail_visibility{seen[r] - counts[r] + 1, 1},
+         lynx::attention_output{outs[static_cast<std::size_t>(r)].data(), nullptr}});
+  lynx::cuda::decode_attention<> attn;
+  const std::span<const request> batch(requests);
+  std::size_t bytes = 0;
+  LYNX_CUDA_CHECK(attn.batch(nullptr, bytes, batch));
+  lynx::cuda::device_buffer ws(bytes);
+  LYNX_CUDA_CHECK(attn.batch(ws.data(), bytes, batch));
+  lynx::cuda::decode_attention<>::check_batch_status(ws.data(), batch);
+  for (int r = 0; r < 6; ++r) {
+    CAPTURE(r);
+    const auto solo = run_device(requests[static_cast<std::size_t>(r)].prompt, dtail,
+                                 queries[static_cast<std::size_t>(r)].data(), counts[r], qh, D,
+                                 requests[static_cast<std::size_t>(r)].visible);
+    const auto got = outs[static_cast<std::size_t>(r)].to_host();
+    CHECK(std::memcmp(solo.data(), got.data(), solo.size() * sizeof(float)) == 0);
+  }
+  // a request with a bad shape is named before anything is launched
+  requests[4].queries.head_dim = 64;
+  CHECK_THROWS_WITH_AS(attn.batch(ws.data(), bytes, std::span<const request>(requests)),
+                       doctest::Contains("request 4"), lynx::error);
+}
+
 TEST_CASE("device batch invariance with a sliding window and a soft-cap") {
   const std::int64_t T = 900, H = 1, group = 4, D = 64, qh = H * group, n = 6, tail = 40;
   const lynx::kv_shape shape{T, H, D}, ts{tail, H, D};

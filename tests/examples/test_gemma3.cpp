@@ -222,14 +222,14 @@ TEST_CASE("the engine is batch invariant and decoding continues a prefill bitwis
                      << tok().piece(lynx::argmax_token(std::span(one))) << "\"");
 }
 
-TEST_CASE("the matmul's AVX2 block gives the bits of the baseline build") {
+TEST_CASE("the matmul's AVX2 and AVX-512 blocks give the bits of the baseline build") {
 #if LYNX_HOST_CPU_DISPATCH && !defined(__FMA__)  // (a build with FMA may contract dot())
   if (!__builtin_cpu_supports("avx2")) {
     MESSAGE("no AVX2 on this CPU: nothing to compare");
     return;
   }
-  // 15 rows (three of 4, three of 1) x 643 columns (a tail of 3 past the 16-lane
-  // steps), 5 tokens
+  // 15 rows (AVX2: three of 4 and three of 1; AVX-512: one of 8 and seven of 1) x 643
+  // columns (a tail of 3 past the 16-lane steps), 5 tokens
   const int rn = 15, cols = 643, tokens = 5;
   std::vector<float> rows(static_cast<std::size_t>(rn) * cols),
       in(static_cast<std::size_t>(tokens) * cols);
@@ -244,6 +244,11 @@ TEST_CASE("the matmul's AVX2 block gives the bits of the baseline build") {
   g3::detail::matmul_block(base.data(), 20, in.data(), rows.data(), rn, cols, tokens);
   g3::detail::matmul_block_avx2(wide.data(), 20, in.data(), rows.data(), rn, cols, tokens);
   CHECK(std::memcmp(base.data(), wide.data(), base.size() * 4) == 0);
+  if (__builtin_cpu_supports("avx512f")) {
+    std::vector<float> widest(base.size(), -1.0f);
+    g3::detail::matmul_block_avx512(widest.data(), 20, in.data(), rows.data(), rn, cols, tokens);
+    CHECK(std::memcmp(base.data(), widest.data(), base.size() * 4) == 0);
+  }
 #else
   MESSAGE("not an x86-64 build without FMA: nothing to compare");
 #endif

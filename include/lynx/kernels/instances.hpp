@@ -218,3 +218,27 @@
       const ::lynx::detail::dense_kv_source<::lynx::bf16>&, std::int64_t, int, const float*, int, \
       std::int64_t, std::int64_t, std::int64_t, const ::lynx::default_variant&,                   \
       const ::lynx::detail::split_scratch&, float*, std::int64_t);
+
+// ---------------------------------------------------------------------------
+// The codec's work (planes/codec.hpp) is per code width and element type, not per
+// plan or group size: detail::encode_layer and detail::reconstruct_layer for B =
+// 8, 12, 16 bits and float / bf16 / fp16, compiled once (LYNX_KERNELS_CODEC_FILE);
+// encode_into and reconstruct of any plan are thin entry points over them.
+// ---------------------------------------------------------------------------
+#define LYNX_KERNELS_CODEC_LAYER(EXT, B, T)                                                       \
+  EXT template void ::lynx::detail::encode_layer<B, T>(                                           \
+      ::lynx::kv_view<const T, ::lynx::host_space>, ::lynx::kv_view<const T, ::lynx::host_space>, \
+      std::uint32_t, std::span<const std::span<std::byte>>, const ::lynx::encode_options&,        \
+      const ::lynx::layer_geometry&);                                                             \
+  EXT template void ::lynx::detail::reconstruct_layer<B, T>(                                      \
+      const ::lynx::detail::plane_data&, std::uint32_t, int, int,                                 \
+      ::lynx::kv_view<T, ::lynx::host_space>, ::lynx::kv_view<T, ::lynx::host_space>,             \
+      const ::lynx::reconstruct_options&);
+#define LYNX_KERNELS_CODEC_BITS(EXT, B)          \
+  LYNX_KERNELS_CODEC_LAYER(EXT, B, float)        \
+  LYNX_KERNELS_CODEC_LAYER(EXT, B, ::lynx::bf16) \
+  LYNX_KERNELS_CODEC_LAYER(EXT, B, ::lynx::fp16)
+#define LYNX_KERNELS_CODEC_LAYERS(EXT) \
+  LYNX_KERNELS_CODEC_BITS(EXT, 8)      \
+  LYNX_KERNELS_CODEC_BITS(EXT, 12)     \
+  LYNX_KERNELS_CODEC_BITS(EXT, 16)

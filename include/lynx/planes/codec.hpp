@@ -141,16 +141,16 @@ inline std::vector<std::size_t> segment_sizes(const layer_geometry& g) {
   return n;
 }
 
-/// Encodes one layer into caller-provided buffers, out[s] of exactly segment_bytes(g, s).
-template <stream_plan_type Plan, int G = 32, kv_element T>
-void encode_into(kv_view<const T, host_space> keys, kv_view<const T, host_space> values,
-                 std::uint32_t layer, std::span<const std::span<std::byte>> out,
-                 const encode_options& options = {}) {
-  detail::check_input_views(keys, values);
-  const layer_geometry g = make_geometry<Plan, G>(keys.shape, options.value_group);
+namespace detail {
+
+/// encode_into's work for codes of B bits, any plan and group size (both are in
+/// g): one compiled body per (B, T), shared by every plan of that width.
+template <int B, kv_element T>
+void encode_layer(kv_view<const T, host_space> keys, kv_view<const T, host_space> values,
+                  std::uint32_t layer, std::span<const std::span<std::byte>> out,
+                  const encode_options& options, const layer_geometry& g) {
   detail::check_output_spans(g, out);
   detail::zero_section_gaps(g, out);
-  constexpr int B = Plan::bits;
   const std::int64_t D = g.head_dim;
   std::byte* anchor = out[0].data() + segment_header_bytes;
   // The parameters are computed as floats (bf16 values) into a per-thread block
@@ -172,12 +172,12 @@ void encode_into(kv_view<const T, host_space> keys, kv_view<const T, host_space>
   // which reports it.
   if (detail::use_avx512_codec() && detail::simd::encode_supported(keys, values, g)) {
     std::array<int, 16> plane_stream{}, plane_local{};
-    for (int s = 0, j = 0; s < Plan::streams; ++s)
+    for (int s = 0, j = 0; s < g.plan.streams; ++s)
       for (int jl = 0; jl < g.planes_in(s); ++jl, ++j)
         plane_stream[static_cast<std::size_t>(j)] = s,
         plane_local[static_cast<std::size_t>(j)] = jl;
     std::array<std::uint32_t*, max_streams> key_words{}, value_words{};
-    for (int s = 0; s < Plan::streams; ++s) {
+    for (int s = 0; s < g.plan.streams; ++s) {
       std::byte* payload = out[static_cast<std::size_t>(s)].data() + segment_header_bytes;
       key_words[static_cast<std::size_t>(s)] =
           reinterpret_cast<std::uint32_t*>(payload + g.key_planes_offset(s));
@@ -195,7 +195,7 @@ void encode_into(kv_view<const T, host_space> keys, kv_view<const T, host_space>
             detail::simd::encode_scratch scratch;
             scratch.size_for(g);
             std::int64_t segment_total = 0;
-            for (int st = 0; st < Plan::streams; ++st)
+            for (int st = 0; st < g.plan.streams; ++st)
               segment_total += static_cast<std::int64_t>(out[static_cast<std::size_t>(st)].size());
             scratch.stream = segment_total >= detail::simd::encode_stream_min_bytes;
             for (std::int64_t i = i0; i < i1; ++i) {
@@ -272,6 +272,18 @@ void encode_into(kv_view<const T, host_space> keys, kv_view<const T, host_space>
       options.executor);
   detail::write_wire_params(g, params, anchor);
   detail::finish_segments(g, layer, options.generation, out);
+}
+
+}  // namespace detail
+
+/// Encodes one layer into caller-provided buffers, out[s] of exactly segment_bytes(g, s).
+template <stream_plan_type Plan, int G = 32, kv_element T>
+void encode_into(kv_view<const T, host_space> keys, kv_view<const T, host_space> values,
+                 std::uint32_t layer, std::span<const std::span<std::byte>> out,
+                 const encode_options& options = {}) {
+  detail::check_input_views(keys, values);
+  detail::encode_layer<Plan::bits, T>(keys, values, layer, out, options,
+                                      make_geometry<Plan, G>(keys.shape, options.value_group));
 }
 
 /// Encodes one layer into newly allocated segments.
@@ -434,22 +446,25 @@ struct reconstruct_options {
                                       // head_dim 80 or 112 at G = 32); 0: min(G, head_dim)
 };
 
-/// Dequantizes K and V at the view's precision level into the engine's layout.
-template <stream_plan_type Plan, int G, kv_element T>
-void reconstruct(const bitplane_view<Plan, G, host_space>& v, kv_view<T, host_space> keys_out,
-                 kv_view<T, host_space> values_out, const reconstruct_options& options = {}) {
+namespace detail {
+
+/// reconstruct's work for codes of B bits, any plan and group size (both are in
+/// v.geometry): one compiled body per (B, T), shared by every plan of that width.
+/// P: the planes present (the view's level).
+template <int B, kv_element T>
+void reconstruct_layer(const plane_data& v, std::uint32_t layer, int level, int P,
+                       kv_view<T, host_space> keys_out, kv_view<T, host_space> values_out,
+                       const reconstruct_options& options) {
   const layer_geometry& g = v.geometry;
   detail::require(
-      v.level >= 1, errc::invalid_argument,
-      "reconstruct: layer " + std::to_string(v.layer) + " has no anchor yet (precision level 0)");
+      level >= 1, errc::invalid_argument,
+      "reconstruct: layer " + std::to_string(layer) + " has no anchor yet (precision level 0)");
   detail::require(keys_out.shape == g.shape() && values_out.shape == g.shape(),
                   errc::shape_mismatch,
                   "reconstruct: outputs " + to_string(keys_out.shape) + " / " +
                       to_string(values_out.shape) + ", the layer is " + to_string(g.shape()));
   detail::check_paging(keys_out, "reconstruct: K output");
   detail::check_paging(values_out, "reconstruct: V output");
-  constexpr int B = Plan::bits;
-  const int P = v.planes();
   const float half = midpoint_offset<B>(P);
   const std::int64_t D = g.head_dim, T_ = g.tokens, VG = g.value_group,
                      VGs = g.value_channel_groups();
@@ -533,6 +548,16 @@ void reconstruct(const bitplane_view<Plan, G, host_space>& v, kv_view<T, host_sp
       options.executor);
 }
 
+}  // namespace detail
+
+/// Dequantizes K and V at the view's precision level into the engine's layout.
+template <stream_plan_type Plan, int G, kv_element T>
+void reconstruct(const bitplane_view<Plan, G, host_space>& v, kv_view<T, host_space> keys_out,
+                 kv_view<T, host_space> values_out, const reconstruct_options& options = {}) {
+  detail::reconstruct_layer<Plan::bits, T>(v.data(), v.layer, v.level, v.planes(), keys_out,
+                                           values_out, options);
+}
+
 template <stream_plan_type Plan, int G, kv_element T>
 void reconstruct(const bitplane_tensor<Plan, G, host_space>& tensor,
                  kv_view<T, host_space> keys_out, kv_view<T, host_space> values_out,
@@ -547,4 +572,5 @@ void reconstruct(const bitplane_tensor<Plan, G, host_space>& tensor,
 #include "lynx/kernels/config.hpp"
 #include "lynx/kernels/instances.hpp"
 LYNX_KERNELS_FOR_EACH(LYNX_KERNELS_DECLARE_CODEC)
+LYNX_KERNELS_CODEC_LAYERS(extern)
 #endif

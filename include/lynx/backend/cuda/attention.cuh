@@ -51,8 +51,10 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <span>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #include "lynx/attention/decode_attention.hpp"
 #include "lynx/attention/variant.hpp"
@@ -758,6 +760,19 @@ inline void check_attention_status(const void* workspace, cudaStream_t stream = 
   throw_attention_status(st);
 }
 
+/// One request of a batched call (decode_attention::batch), in device memory: its
+/// prompt (a bit-plane view at the request's own precision level, or a dense
+/// prompt), its tail, its queries and where its outputs go; lynx::attention_request's
+/// device counterpart.
+template <class Prompt, class TailT>
+struct attention_request {
+  Prompt prompt{};
+  kv_view<const TailT, device_space> tail_keys{}, tail_values{};
+  attention_queries queries{};
+  tail_visibility visible{};
+  attention_output out{};
+};
+
 /// The CUDA decode attention functor; Variant sets the softmax scale, soft-cap and window.
 template <class Variant = default_variant>
 class decode_attention {
@@ -816,6 +831,80 @@ class decode_attention {
     return call(
         workspace, workspace_bytes, prompt, [&] { return detail::make_plane_source(prompt); },
         tail_keys, tail_values, q, vis, out, stream);
+  }
+
+  /// Where each request's part of a batch's workspace starts: offsets[r] for request
+  /// r (256-byte aligned, in request order), offsets[n] the bytes of the whole batch.
+  /// Throws on a request whose shapes are wrong, naming it ("request 3: ...").
+  template <class Prompt, class TailT>
+  static std::vector<std::size_t> batch_offsets(
+      std::span<const attention_request<Prompt, TailT>> requests) {
+    std::vector<std::size_t> offsets{0};
+    for (std::size_t r = 0; r < requests.size(); ++r) {
+      const auto& q = requests[r];
+      std::size_t bytes = 0;
+      try {
+        bytes =
+            shape_of(q.prompt, q.tail_keys, q.tail_values, q.queries, q.visible).workspace_bytes();
+      } catch (const lynx::error& e) {
+        lynx::detail::fail(e.code(), "cuda attention batch: request " + std::to_string(r) + ": " +
+                                         lynx::detail::error_message(e));
+      }
+      offsets.push_back(offsets.back() + (bytes + 255) / 256 * 256);
+    }
+    return offsets;
+  }
+
+  /// Many requests in one call on `stream`: ragged query counts, each prompt at its
+  /// own precision level, each request's outputs the bits of its solo call whatever
+  /// else shares the batch (each is launched as its own call, in request order, on
+  /// its own part of the workspace: batch_offsets). workspace == nullptr: sets
+  /// workspace_bytes, launches nothing. Every request's shapes are checked before
+  /// anything is launched; an error names the request. Asynchronous like a single
+  /// call: check_batch_status reads what each request's launch left.
+  template <class Prompt, class TailT>
+  [[nodiscard]] cudaError_t batch(void* workspace, std::size_t& workspace_bytes,
+                                  std::span<const attention_request<Prompt, TailT>> requests,
+                                  cudaStream_t stream = nullptr) const {
+    const std::vector<std::size_t> offsets = batch_offsets(requests);
+    if (workspace == nullptr) {
+      workspace_bytes = offsets.back();
+      return cudaSuccess;
+    }
+    lynx::detail::require(workspace_bytes >= offsets.back(), errc::invalid_argument,
+                          "cuda attention batch: workspace of " + std::to_string(workspace_bytes) +
+                              " bytes, this batch needs " + std::to_string(offsets.back()));
+    for (std::size_t r = 0; r < requests.size(); ++r) {
+      const auto& q = requests[r];
+      std::size_t bytes = offsets[r + 1] - offsets[r];
+      cudaError_t e = cudaSuccess;
+      try {
+        e = (*this)(static_cast<std::byte*>(workspace) + offsets[r], bytes, q.prompt, q.tail_keys,
+                    q.tail_values, q.queries, q.visible, q.out, stream);
+      } catch (const lynx::error& x) {
+        lynx::detail::fail(x.code(), "cuda attention batch: request " + std::to_string(r) + ": " +
+                                         lynx::detail::error_message(x));
+      }
+      if (e != cudaSuccess) return e;
+    }
+    return cudaSuccess;
+  }
+
+  /// check_attention_status for every request of a batch (waits for `stream`); the
+  /// error names the request.
+  template <class Prompt, class TailT>
+  static void check_batch_status(const void* workspace,
+                                 std::span<const attention_request<Prompt, TailT>> requests,
+                                 cudaStream_t stream = nullptr) {
+    const std::vector<std::size_t> offsets = batch_offsets(requests);
+    for (std::size_t r = 0; r < requests.size(); ++r) {
+      try {
+        check_attention_status(static_cast<const std::byte*>(workspace) + offsets[r], stream);
+      } catch (const lynx::error& e) {
+        lynx::detail::fail(e.code(), "cuda attention batch: request " + std::to_string(r) + ": " +
+                                         lynx::detail::error_message(e));
+      }
+    }
   }
 
   /// Dense prompt (the 16-bit baseline), same structure and order of operations.

@@ -57,25 +57,17 @@ struct code_view {
   const code_type* value_codes = nullptr;
 
   [[nodiscard]] int planes() const { return Plan::bits; }
-  [[nodiscard]] const float* key_scale() const {
-    return reinterpret_cast<const float*>(params + geometry.key_scale_offset());
-  }
-  [[nodiscard]] const float* key_zero() const {
-    return reinterpret_cast<const float*>(params + geometry.key_zero_offset());
-  }
-  [[nodiscard]] const float* value_scale() const {
-    return reinterpret_cast<const float*>(params + geometry.value_scale_offset());
-  }
-  [[nodiscard]] const float* value_zero() const {
-    return reinterpret_cast<const float*>(params + geometry.value_zero_offset());
-  }
+  [[nodiscard]] const float* key_scale() const { return data().key_scale(); }
+  [[nodiscard]] const float* key_zero() const { return data().key_zero(); }
+  [[nodiscard]] const float* value_scale() const { return data().value_scale(); }
+  [[nodiscard]] const float* value_zero() const { return data().value_zero(); }
   /// Key codes of block b of kv head h: [head_dim][32].
   [[nodiscard]] const code_type* key_block(std::int64_t h, std::int64_t b) const {
-    return key_codes + (h * geometry.blocks() + b) * geometry.head_dim * tokens_per_word;
+    return data().key_block(h, b);
   }
   /// Value codes of token t of kv head h: [head_dim] (t below blocks * 32).
   [[nodiscard]] const code_type* value_row(std::int64_t h, std::int64_t t) const {
-    return value_codes + (h * geometry.blocks() * tokens_per_word + t) * geometry.head_dim;
+    return data().value_row(h, t);
   }
   /// The view's data without its plan and group size in the type (they are in
   /// geometry): what the host attention walks read, one walk per code type.

@@ -144,28 +144,6 @@ inline bool plane_count_compiled(int planes) {
   return false;
 }
 
-/// Calls f(std::integral_constant<int, P>) with P = planes if it is one of
-/// compiled_plane_counts, else with P = 0 (any count, given at run time).
-template <class F>
-void with_plane_count(int planes, F&& f) {
-  switch (planes) {
-    case 2:
-      return f(std::integral_constant<int, 2>{});
-    case 4:
-      return f(std::integral_constant<int, 4>{});
-    case 6:
-      return f(std::integral_constant<int, 6>{});
-    case 8:
-      return f(std::integral_constant<int, 8>{});
-    case 12:
-      return f(std::integral_constant<int, 12>{});
-    case 16:
-      return f(std::integral_constant<int, 16>{});
-    default:
-      return f(std::integral_constant<int, 0>{});
-  }
-}
-
 /// with_plane_count for kernels compiled for the counts of compiled_plane_counts
 /// only (the caller checked plane_count_compiled).
 template <class F>
@@ -184,6 +162,16 @@ void with_compiled_plane_count(int planes, F&& f) {
     default:
       return f(std::integral_constant<int, 16>{});
   }
+}
+
+/// Calls f(std::integral_constant<int, P>) with P = planes if it is one of
+/// compiled_plane_counts, else with P = 0 (any count, given at run time).
+template <class F>
+void with_plane_count(int planes, F&& f) {
+  if (plane_count_compiled(planes))
+    with_compiled_plane_count(planes, f);
+  else
+    f(std::integral_constant<int, 0>{});
 }
 
 /// Scores of tokens [la, lb) of one 32-token block, of the heads' folded queries

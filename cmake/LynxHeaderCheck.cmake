@@ -50,7 +50,7 @@ function(lynx_add_header_checks)
     message(STATUS "Lynx: no headers under include/lynx yet; header check skipped")
   endif()
 
-  if(LYNX_ENABLE_CUDA AND LYNX_HEADER_CHECKS)
+  if(LYNX_ENABLE_CUDA AND (LYNX_HEADER_CHECKS OR LYNX_HEADER_CHECKS_CUDA))
     _lynx_generate_header_tus(cu_sources cu "*.cuh")
     if(cu_sources)
       add_library(lynx_header_check_cuda OBJECT ${cu_sources})

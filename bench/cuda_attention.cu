@@ -108,7 +108,7 @@ void bm_memcpy_d2d(benchmark::State& state) {
 // Bytes a bit-plane case reads: the anchor's parameters, P planes of K and V, the tail, the
 // queries.
 double plane_bytes(const lynx::layer_geometry& g, int planes) {
-  const double params = 4.0 * 2.0 * static_cast<double>(g.key_params() + g.value_params());
+  const double params = 2.0 * 2.0 * static_cast<double>(g.key_params() + g.value_params());  // bf16
   const double words =
       2.0 * 4.0 * static_cast<double>(g.kv_heads * g.blocks() * g.head_dim) * planes;
   return params + words + 2.0 * 2.0 * tail_tokens * kv_heads * head_dim + 4.0 * q_heads * head_dim;

@@ -51,7 +51,7 @@ bool same_codes(const lynx::code_tensor<Plan>& a, const lynx::code_tensor<Plan>&
   const std::size_t bytes = static_cast<std::size_t>(g.kv_heads * g.blocks() * 32 * g.head_dim) *
                             sizeof(typename lynx::code_tensor<Plan>::code_type);
   return va.geometry == vb.geometry && va.layer == vb.layer &&
-         std::memcmp(va.params, vb.params, static_cast<std::size_t>(g.params_bytes())) == 0 &&
+         std::memcmp(va.params, vb.params, static_cast<std::size_t>(g.wire_params_bytes())) == 0 &&
          std::memcmp(va.key_codes, vb.key_codes, bytes) == 0 &&
          std::memcmp(va.value_codes, vb.value_codes, bytes) == 0;
 }

@@ -5,6 +5,7 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -353,9 +354,14 @@ void codes_case(std::int64_t tokens, std::int64_t kv_heads, std::int64_t group, 
         }
     CHECK(keys_same);
     CHECK(values_same);
-    CHECK(std::memcmp(cv.key_scale(), merged.key_scale.data(), merged.key_scale.size() * 4) == 0);
-    CHECK(std::memcmp(cv.value_zero(), merged.value_zero.data(), merged.value_zero.size() * 4) ==
-          0);
+    bool params_same = true;  // the code view's bf16 parameters are merge's floats
+    for (std::size_t i = 0; i < merged.key_scale.size(); ++i)
+      params_same &= std::bit_cast<std::uint32_t>(static_cast<float>(cv.key_scale()[i])) ==
+                     std::bit_cast<std::uint32_t>(merged.key_scale[i]);
+    for (std::size_t i = 0; i < merged.value_zero.size(); ++i)
+      params_same &= std::bit_cast<std::uint32_t>(static_cast<float>(cv.value_zero()[i])) ==
+                     std::bit_cast<std::uint32_t>(merged.value_zero[i]);
+    CHECK(params_same);
     for (auto path : paths()) {
       CAPTURE(static_cast<int>(path));
       std::vector<float> lse_planes, lse_codes;
@@ -422,7 +428,8 @@ TEST_CASE("a code_tensor kept per layer slot: each assign gives the codes of a f
     const lynx::layer_geometry& g = va.geometry;
     const std::size_t codes = static_cast<std::size_t>(g.kv_heads * g.blocks() * 32 * g.head_dim);
     return va.geometry == vb.geometry && va.layer == vb.layer &&
-           std::memcmp(va.params, vb.params, static_cast<std::size_t>(g.params_bytes())) == 0 &&
+           std::memcmp(va.params, vb.params, static_cast<std::size_t>(g.wire_params_bytes())) ==
+               0 &&
            std::memcmp(va.key_codes, vb.key_codes, codes * 2) == 0 &&
            std::memcmp(va.value_codes, vb.value_codes, codes * 2) == 0;
   };

@@ -907,9 +907,9 @@ struct tensor_state {
       payloads.emplace_back();
       if (p) payloads.back().assign(p, p + t.geometry().payload_bytes(s));
     }
-    if (v.params) params.assign(v.params, v.params + t.geometry().params_bytes());
+    if (v.params) params.assign(v.params, v.params + t.geometry().wire_params_bytes());
   }
-  std::vector<std::byte> params;  // the expanded parameters, once the anchor is there
+  std::vector<std::byte> params;  // the parameters the view reads, once the anchor is there
   friend bool operator==(const tensor_state&, const tensor_state&) = default;
 };
 

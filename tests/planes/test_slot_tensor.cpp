@@ -8,6 +8,7 @@
 // refused at construction; reset() serves the next request.
 #include <doctest/doctest.h>
 
+#include <cmath>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -142,6 +143,35 @@ TEST_CASE("refusals leave the tensor as it was") {
     CHECK(std::memcmp(f.slots[0].data(), f.layer.segment(0).data(), f.layer.segment(0).size()) ==
           0);
     CHECK(t.precision_level() == 1);
+  }
+  SUBCASE("re-sealed parameters: refused where they lie, unless every range is finite") {
+    // The checksum pass scans the anchor's parameters (lynx::stream_ledger::admit);
+    // its bound on the ranges is only a filter: a range near the float limit is
+    // checked group by group and taken, a NaN scale or an overflowing range refused.
+    const auto g = lynx::make_geometry<plan, 32>(shape);
+    const std::int64_t at = lynx::segment_header_bytes + g.param_section_offset(2, 2) + 2 * 5;
+    const auto forge = [&](std::uint16_t bits) {
+      f.deliver(0);
+      std::memcpy(f.slots[0].data() + at, &bits, 2);
+      lynx::seal_segment(f.slots[0]);
+    };
+    forge(0x7fc1);  // NaN
+    std::string msg;
+    try {
+      t.accept_in_place(0);
+    } catch (const lynx::error& e) {
+      CHECK(e.code() == lynx::errc::corrupted_segment);
+      msg = e.what();
+    }
+    CHECK(msg.find("value parameters of kv head 0, token 2, channel group 1") != std::string::npos);
+    CHECK(t.precision_level() == 0);
+    forge(static_cast<std::uint16_t>(0x7f00));  // 2^127: the range overflows
+    CHECK(code_of([&] { t.accept_in_place(0); }) == lynx::errc::corrupted_segment);
+    CHECK(t.precision_level() == 0);
+    // 2^(127 - 8): a range just under 2^127, finite; the view reads it as it lies
+    forge(static_cast<std::uint16_t>((254 - plan::bits) << 7));
+    CHECK(t.accept_in_place(0) == lynx::accept_result::accepted);
+    CHECK(static_cast<float>(t.view().value_scale()[5]) == std::ldexp(1.0f, 127 - plan::bits));
   }
   SUBCASE("reset serves the next request's generation") {
     f.deliver(0);

@@ -57,10 +57,11 @@ struct code_view {
   const code_type* value_codes = nullptr;
 
   [[nodiscard]] int planes() const { return Plan::bits; }
-  [[nodiscard]] const float* key_scale() const { return data().key_scale(); }
-  [[nodiscard]] const float* key_zero() const { return data().key_zero(); }
-  [[nodiscard]] const float* value_scale() const { return data().value_scale(); }
-  [[nodiscard]] const float* value_zero() const { return data().value_zero(); }
+  /// The anchor's bf16 parameters (layout.hpp), as a bitplane_view's.
+  [[nodiscard]] const bf16* key_scale() const { return data().key_scale(); }
+  [[nodiscard]] const bf16* key_zero() const { return data().key_zero(); }
+  [[nodiscard]] const bf16* value_scale() const { return data().value_scale(); }
+  [[nodiscard]] const bf16* value_zero() const { return data().value_zero(); }
   /// Key codes of block b of kv head h: [head_dim][32].
   [[nodiscard]] const code_type* key_block(std::int64_t h, std::int64_t b) const {
     return data().key_block(h, b);
@@ -119,7 +120,7 @@ class code_tensor {
     const layer_geometry& g = v.geometry;
     const std::int64_t D = g.head_dim, blocks = g.blocks();
     const std::size_t codes = static_cast<std::size_t>(g.kv_heads * blocks * tokens_per_word * D);
-    const std::size_t params = static_cast<std::size_t>(g.params_bytes());
+    const std::size_t params = static_cast<std::size_t>(g.wire_params_bytes());
     if (params_.size() < params || keys_.size() < codes * sizeof(code_type)) {
       aligned_buffer p(std::max(params, params_.size())), k(codes * sizeof(code_type)),
           w(codes * sizeof(code_type));

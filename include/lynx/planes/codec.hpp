@@ -417,10 +417,16 @@ quantized_layer merge(const bitplane_tensor<Plan, G, host_space>& tensor) {
   const std::int64_t D = g.head_dim, T_ = g.tokens;
   q.key_codes.resize(static_cast<std::size_t>(g.kv_heads * T_ * D));
   q.value_codes.resize(q.key_codes.size());
-  q.key_scale.assign(v.key_scale(), v.key_scale() + g.key_params());
-  q.key_zero.assign(v.key_zero(), v.key_zero() + g.key_params());
-  q.value_scale.assign(v.value_scale(), v.value_scale() + g.value_params());
-  q.value_zero.assign(v.value_zero(), v.value_zero() + g.value_params());
+  const auto floats = [](const bf16* p, std::int64_t n) {
+    std::vector<float> out(static_cast<std::size_t>(n));
+    for (std::int64_t i = 0; i < n; ++i)
+      out[static_cast<std::size_t>(i)] = static_cast<float>(p[i]);
+    return out;
+  };
+  q.key_scale = floats(v.key_scale(), g.key_params());
+  q.key_zero = floats(v.key_zero(), g.key_params());
+  q.value_scale = floats(v.value_scale(), g.value_params());
+  q.value_zero = floats(v.value_zero(), g.value_params());
   std::vector<std::uint32_t> codes(static_cast<std::size_t>(tokens_per_word * D));
   const std::uint32_t* rows[16];
   for (int which = 0; which < 2; ++which) {
@@ -519,13 +525,14 @@ void reconstruct_layer(const plane_data& v, std::uint32_t layer, int level, int 
           detail::unpack_block(rows, P, n, D, codes.data());
           for (std::int64_t t = 0; t < n; ++t) {
             const std::int64_t base = (h * g.key_token_groups() + (t0 + t) / g.key_group) * D;
-            const float* LYNX_RESTRICT scale = v.key_scale() + base;
-            const float* LYNX_RESTRICT zero = v.key_zero() + base;
+            const bf16* LYNX_RESTRICT scale = v.key_scale() + base;
+            const bf16* LYNX_RESTRICT zero = v.key_zero() + base;
             const std::uint32_t* LYNX_RESTRICT c = codes.data() + t * D;
             float* LYNX_RESTRICT r = row.data();
             for (std::int64_t ch = 0; ch < D; ++ch)
-              r[ch] = reconstruct_from_level(static_cast<float>(c[ch] << (B - P)) + half,
-                                             {scale[ch], zero[ch]});
+              r[ch] = reconstruct_from_level(
+                  static_cast<float>(c[ch] << (B - P)) + half,
+                  {static_cast<float>(scale[ch]), static_cast<float>(zero[ch])});
             for (std::int64_t ch = 0; ch < D; ++ch) keys_out(t0 + t, h, ch) = from_float<T>(r[ch]);
           }
           // values: per token parameters of each channel group
@@ -536,7 +543,8 @@ void reconstruct_layer(const plane_data& v, std::uint32_t layer, int level, int 
             const std::uint32_t* LYNX_RESTRICT c = codes.data() + t * D;
             float* LYNX_RESTRICT r = row.data();
             for (std::int64_t grp = 0; grp < VGs; ++grp) {
-              const group_params p{v.value_scale()[base + grp], v.value_zero()[base + grp]};
+              const group_params p{static_cast<float>(v.value_scale()[base + grp]),
+                                   static_cast<float>(v.value_zero()[base + grp])};
               for (std::int64_t ch = grp * VG; ch < grp * VG + VG; ++ch)
                 r[ch] = reconstruct_from_level(static_cast<float>(c[ch] << (B - P)) + half, p);
             }

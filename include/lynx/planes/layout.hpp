@@ -15,9 +15,10 @@
 //                value_planes[kv_heads][blocks][planes of s][head_dim]    uint32
 // Padding tokens of the last block have all plane bits 0.
 //
-// Receivers expand the four bf16 parameter sections to float once, at accept,
-// into a separate block of the same shape (the "expanded parameters", offsets
-// key_scale_offset() .. params_bytes()); views and kernels read those floats.
+// Receivers check the four bf16 parameter sections at accept; views, attention
+// and reconstruction read them where the anchor lies. The encoders compute the
+// parameters as floats in a block of the same shape (the "expanded parameters",
+// offsets key_scale_offset() .. params_bytes()) before writing them as bf16.
 #pragma once
 
 #include <cstdint>
@@ -72,7 +73,7 @@ struct layer_geometry {
   }
 
   // Byte offsets of the four parameter sections: on the wire (bf16, inside the
-  // payload of stream 0) and expanded (float, the receiver's parameter block).
+  // payload of stream 0) and expanded (float, the encoders' parameter block).
   // section: 0 key_scale, 1 key_zero, 2 value_scale, 3 value_zero.
   LYNX_HOST_DEVICE constexpr std::int64_t param_section_offset(int section,
                                                                std::int64_t bytes_each) const {
@@ -87,7 +88,7 @@ struct layer_geometry {
   LYNX_HOST_DEVICE constexpr std::int64_t wire_params_bytes() const {
     return param_section_offset(4, wire_param_bytes);
   }
-  // The expanded (float) parameter block.
+  // The expanded (float) parameter block of the encoders.
   LYNX_HOST_DEVICE constexpr std::int64_t key_scale_offset() const { return 0; }
   LYNX_HOST_DEVICE constexpr std::int64_t key_zero_offset() const {
     return param_section_offset(1, 4);

@@ -4,6 +4,7 @@
 // (checksum field zeroed), so a flipped bit anywhere, header or payload, is caught.
 #pragma once
 
+#include <algorithm>
 #include <bit>
 #include <cstddef>
 #include <cstdint>
@@ -37,6 +38,8 @@
 // the symbol links (cmake/Findxxhash.cmake).
 extern "C" std::uint64_t XXH3_64bits_withSeed_dispatch(const void* input, std::size_t length,
                                                        std::uint64_t seed);
+extern "C" XXH_errorcode XXH3_64bits_update_dispatch(XXH3_state_t* state, const void* input,
+                                                     std::size_t length);
 #endif
 
 namespace lynx {
@@ -49,6 +52,82 @@ inline std::uint64_t xxh3_64(const void* bytes, std::size_t length, std::uint64_
   if (length >= 4096) return XXH3_64bits_withSeed_dispatch(bytes, length, seed);
 #endif
   return XXH3_64bits_withSeed(bytes, length, seed);
+}
+
+/// Streaming XXH3-64 (the same value as xxh3_64 over the concatenated input).
+class xxh3_stream {
+ public:
+  explicit xxh3_stream(std::uint64_t seed) { XXH3_64bits_reset_withSeed(&state_, seed); }
+  void update(const std::byte* bytes, std::size_t length) {
+#if defined(LYNX_XXH3_DISPATCH) && LYNX_XXH3_DISPATCH
+    XXH3_64bits_update_dispatch(&state_, bytes, length);
+#else
+    XXH3_64bits_update(&state_, bytes, length);
+#endif
+  }
+  [[nodiscard]] std::uint64_t digest() const { return XXH3_64bits_digest(&state_); }
+
+ private:
+  XXH3_state_t state_;
+};
+
+/// What the checksum pass over an anchor saw of its parameters (bf16 bits,
+/// layout.hpp) while they were in cache: `suspect` when some scale is negative
+/// or not finite, some zero point not finite, or a group's range
+/// zero + scale (2^B - 1) could overflow (bounded from the largest scale and
+/// zero point of each pair of sections). Not suspect: every parameter passes
+/// the receiver's check (detail::check_params), which runs only for a suspect
+/// anchor, to name the group at fault.
+struct param_scan {
+  bool suspect = false;
+};
+
+/// XXH3-64 of an anchor's payload with `seed` (segment_checksum's), scanning
+/// the parameter sections chunk by chunk right after hashing them.
+inline std::uint64_t checksum_scanning_params(const std::byte* payload, std::size_t length,
+                                              std::uint64_t seed, const layer_geometry& g,
+                                              param_scan& scan) {
+  constexpr std::int64_t chunk = 16384;  // parameters per step: 32 KiB, hashed then read from L1
+  constexpr std::int64_t w = layer_geometry::wire_param_bytes;
+  xxh3_stream hash(seed);
+  std::int64_t at = 0;  // bytes hashed
+  const float top = static_cast<float>((std::uint32_t{1} << g.plan.bits) - 1u);
+  for (int pair = 0; pair < 2; ++pair) {
+    std::uint16_t largest[2] = {0, 0};  // bits of the largest scale, of the largest |zero|
+    unsigned bad = 0;
+    for (int part = 0; part < 2; ++part) {
+      const int section = 2 * pair + part;
+      const std::int64_t first = g.param_section_offset(section, w),
+                         n = g.param_section_params(section);
+      hash.update(payload + at, static_cast<std::size_t>(first - at));  // alignment padding
+      at = first;
+      const auto* bits = reinterpret_cast<const std::uint16_t*>(payload + first);
+      for (std::int64_t i0 = 0; i0 < n; i0 += chunk) {
+        const std::int64_t m = std::min(chunk, n - i0);
+        hash.update(payload + at, static_cast<std::size_t>(m * w));
+        at += m * w;
+        // Integer tests (they vectorize): exponent all ones is an infinity or NaN;
+        // scales must have the sign bit clear; the maxima of magnitudes as bits
+        // are the bits of the largest magnitudes.
+        std::uint16_t top_bits = largest[part];
+        const std::uint16_t sign = part == 0 ? 0x8000u : 0u;
+        const std::uint16_t magnitude = part == 0 ? 0xFFFFu : 0x7FFFu;
+        for (std::int64_t i = i0; i < i0 + m; ++i) {
+          const std::uint16_t b = bits[i];
+          bad |= static_cast<unsigned>((b & 0x7F80u) == 0x7F80u) | (b & sign);
+          top_bits = std::max<std::uint16_t>(top_bits, static_cast<std::uint16_t>(b & magnitude));
+        }
+        largest[part] = top_bits;
+      }
+    }
+    // Every range zero + scale * top is then at most 2^126 in magnitude (exact
+    // in double): finite in float, whatever the rounding.
+    const double bound = static_cast<double>(bf16_bits_to_float(largest[0])) * top +
+                         static_cast<double>(bf16_bits_to_float(largest[1]));
+    if (bad != 0u || !(bound <= 0x1p126)) scan.suspect = true;
+  }
+  hash.update(payload + at, length - static_cast<std::size_t>(at));
+  return hash.digest();
 }
 }  // namespace detail
 
@@ -154,9 +233,11 @@ inline segment_header peek_header(std::span<const std::byte> segment) {
 
 /// Full validation of a segment against the geometry the receiver expects.
 /// Throws lynx::error saying what is wrong and where; returns the header.
+/// With `scan`, an anchor's parameters are scanned during the checksum pass
+/// (detail::param_scan); other streams leave it unchanged.
 inline segment_header validate_segment(std::span<const std::byte> segment,
-                                       const layer_geometry& expected,
-                                       std::uint32_t expected_layer) {
+                                       const layer_geometry& expected, std::uint32_t expected_layer,
+                                       detail::param_scan* scan = nullptr) {
   const segment_header h = peek_header(segment);
   if (h.magic != segment_magic)
     detail::fail(errc::bad_magic, "not a Lynx segment (magic mismatch)");
@@ -207,8 +288,17 @@ inline segment_header validate_segment(std::span<const std::byte> segment,
     detail::fail(errc::corrupted_segment,
                  where + " has " + std::to_string(segment.size() - segment_header_bytes - want) +
                      " bytes past its payload");
-  const std::uint64_t sum =
-      segment_checksum(h, segment.subspan(segment_header_bytes, static_cast<std::size_t>(want)));
+  std::uint64_t sum = 0;
+  if (scan != nullptr && h.stream == 0) {
+    segment_header zeroed = h;
+    zeroed.checksum = 0;
+    sum = detail::checksum_scanning_params(segment.data() + segment_header_bytes,
+                                           static_cast<std::size_t>(want),
+                                           XXH3_64bits(&zeroed, sizeof zeroed), expected, *scan);
+  } else {
+    sum =
+        segment_checksum(h, segment.subspan(segment_header_bytes, static_cast<std::size_t>(want)));
+  }
   if (sum != h.checksum)
     detail::fail(errc::corrupted_segment,
                  where + ": checksum mismatch (payload or header corrupted in transit)");

@@ -28,6 +28,14 @@ namespace lynx {
 
 namespace detail {
 
+/// Parameter section `section` (0 key scales, 1 key zero points, 2 value scales,
+/// 3 value zero points) of the bf16 parameters at `params` (the anchor's payload).
+LYNX_HOST_DEVICE const bf16* wire_params(const layer_geometry& g, const std::byte* params,
+                                         int section) {
+  return reinterpret_cast<const bf16*>(
+      params + g.param_section_offset(section, layer_geometry::wire_param_bytes));
+}
+
 /// A bit-plane layer's data as a bitplane_view holds it, with the plan and the group
 /// sizes only in `geometry` (run-time values): the host attention walks take this,
 /// so one compiled walk serves every plan and group size.
@@ -36,18 +44,11 @@ struct plane_data {
   std::array<const std::byte*, max_streams> payload{};
   const std::byte* params = nullptr;
 
-  const float* key_scale() const {
-    return reinterpret_cast<const float*>(params + geometry.key_scale_offset());
-  }
-  const float* key_zero() const {
-    return reinterpret_cast<const float*>(params + geometry.key_zero_offset());
-  }
-  const float* value_scale() const {
-    return reinterpret_cast<const float*>(params + geometry.value_scale_offset());
-  }
-  const float* value_zero() const {
-    return reinterpret_cast<const float*>(params + geometry.value_zero_offset());
-  }
+  // The anchor's parameters as they travel (bf16, layout.hpp), read in place.
+  const bf16* key_scale() const { return wire_params(geometry, params, 0); }
+  const bf16* key_zero() const { return wire_params(geometry, params, 1); }
+  const bf16* value_scale() const { return wire_params(geometry, params, 2); }
+  const bf16* value_zero() const { return wire_params(geometry, params, 3); }
   const std::uint32_t* key_planes(int s) const {
     return reinterpret_cast<const std::uint32_t*>(payload[s] + geometry.key_planes_offset(s));
   }
@@ -62,9 +63,9 @@ struct plane_data {
     const layer_geometry& g = geometry;
     const auto p = keys ? g.key_params_of(h, t0, t1) : g.value_params_of(h, t0, t1);
     f(static_cast<const void*>((keys ? key_scale() : value_scale()) + p.first),
-      (p.end - p.first) * 4);
+      (p.end - p.first) * 2);
     f(static_cast<const void*>((keys ? key_zero() : value_zero()) + p.first),
-      (p.end - p.first) * 4);
+      (p.end - p.first) * 2);
     const std::int64_t b0 = t0 / tokens_per_word, b1 = (t1 + tokens_per_word - 1) / tokens_per_word;
     int j = 0;
     for (int st = 0; j < planes; ++st) {  // blocks of a kv head are consecutive in each stream
@@ -91,21 +92,24 @@ struct bitplane_view {
   int level = 0;  // streams present as a prefix: 0 (nothing usable) .. Plan::streams
   std::array<const std::byte*, max_streams>
       payload{};  // [stream] -> payload bytes as on the wire (nullptr when absent)
-  const std::byte* params = nullptr;  // expanded float parameters (layout.hpp); with the anchor
+  // The anchor's bf16 parameters as they travel (the front of its payload,
+  // layout.hpp), read in place; nullptr without the anchor.
+  const std::byte* params = nullptr;
 
   /// Planes present: the precision this view reconstructs at.
   LYNX_HOST_DEVICE int planes() const { return geometry.plan.plane_begin(level); }
-  LYNX_HOST_DEVICE const float* key_scale() const {
-    return reinterpret_cast<const float*>(params + geometry.key_scale_offset());
+  /// Key scales [kv_heads][key_token_groups][head_dim], key zero points (the
+  /// same), value scales [kv_heads][tokens][value_channel_groups], value zero
+  /// points (the same): bf16 values, read where the anchor lies.
+  LYNX_HOST_DEVICE const bf16* key_scale() const {
+    return detail::wire_params(geometry, params, 0);
   }
-  LYNX_HOST_DEVICE const float* key_zero() const {
-    return reinterpret_cast<const float*>(params + geometry.key_zero_offset());
+  LYNX_HOST_DEVICE const bf16* key_zero() const { return detail::wire_params(geometry, params, 1); }
+  LYNX_HOST_DEVICE const bf16* value_scale() const {
+    return detail::wire_params(geometry, params, 2);
   }
-  LYNX_HOST_DEVICE const float* value_scale() const {
-    return reinterpret_cast<const float*>(params + geometry.value_scale_offset());
-  }
-  LYNX_HOST_DEVICE const float* value_zero() const {
-    return reinterpret_cast<const float*>(params + geometry.value_zero_offset());
+  LYNX_HOST_DEVICE const bf16* value_zero() const {
+    return detail::wire_params(geometry, params, 3);
   }
   /// Key plane words of stream s: [kv_heads][blocks][planes of s][head_dim].
   LYNX_HOST_DEVICE const std::uint32_t* key_planes(int s) const {
@@ -147,42 +151,33 @@ class bitplane_tensor;
 
 namespace detail {
 
-/// Checks the bf16 parameters of an anchor payload and expands them to floats
-/// into `out` (params_bytes() bytes, the layout of layer_geometry's expanded
-/// block). A checksum can be re-sealed by anyone on the path, so the values are
-/// checked too: every scale >= 0 and every group's range zero .. zero + scale
-/// (2^B - 1) finite, else lynx::error (corrupted_segment) names the layer, the
-/// stream, the kv head and the group. `out` may be partly written on error.
-inline void expand_params(const layer_geometry& g, std::uint32_t layer, const std::byte* payload,
-                          std::byte* out) {
+/// Checks the bf16 parameters at the front of an anchor payload, which attention
+/// and reconstruction read where they lie. A checksum can be re-sealed by anyone
+/// on the path, so the values are checked too: every scale >= 0 and every
+/// group's range zero .. zero + scale (2^B - 1) finite, else lynx::error
+/// (corrupted_segment) names the layer, the stream, the kv head and the group.
+inline void check_params(const layer_geometry& g, std::uint32_t layer, const std::byte* payload) {
   const float top = static_cast<float>((std::uint32_t{1} << g.plan.bits) - 1u);
   for (int pair = 0; pair < 2; ++pair) {  // keys, values
     const std::int64_t n = g.param_section_params(2 * pair);
-    std::uint16_t scale_bits[256], zero_bits[256];
-    const std::byte* scale_src = payload + g.param_section_offset(2 * pair, 2);
-    const std::byte* zero_src = payload + g.param_section_offset(2 * pair + 1, 2);
-    auto* scale_dst = reinterpret_cast<float*>(out + g.param_section_offset(2 * pair, 4));
-    auto* zero_dst = reinterpret_cast<float*>(out + g.param_section_offset(2 * pair + 1, 4));
-    for (std::int64_t i0 = 0; i0 < n; i0 += 256) {
-      const std::int64_t m = std::min<std::int64_t>(256, n - i0);
-      std::memcpy(scale_bits, scale_src + 2 * i0, static_cast<std::size_t>(2 * m));
-      std::memcpy(zero_bits, zero_src + 2 * i0, static_cast<std::size_t>(2 * m));
+    const bf16* scales = wire_params(g, payload, 2 * pair);
+    const bf16* zeros = wire_params(g, payload, 2 * pair + 1);
+    for (std::int64_t i0 = 0; i0 < n; i0 += 1024) {
+      const std::int64_t m = std::min<std::int64_t>(1024, n - i0);
       // Branch-free, so that compilers vectorize it: x - x is 0 exactly when x is finite.
       unsigned bad = 0;
-      for (std::int64_t i = 0; i < m; ++i) {
-        const float sc = bf16_bits_to_float(scale_bits[i]), z = bf16_bits_to_float(zero_bits[i]);
-        scale_dst[i0 + i] = sc;
-        zero_dst[i0 + i] = z;
+      for (std::int64_t i = i0; i < i0 + m; ++i) {
+        const std::uint16_t scale_bits = scales[i].bits;
+        const float sc = bf16_bits_to_float(scale_bits), z = bf16_bits_to_float(zeros[i].bits);
         const float hi = z + sc * top;
         bad |= static_cast<unsigned>(!(hi - hi == 0.0f)) | static_cast<unsigned>(!(z - z == 0.0f)) |
-               (static_cast<unsigned>(scale_bits[i]) >> 15);
+               (static_cast<unsigned>(scale_bits) >> 15);
       }
       if (bad == 0u) continue;
-      for (std::int64_t i = 0; i < m; ++i) {
-        const float sc = scale_dst[i0 + i], z = zero_dst[i0 + i];
+      for (std::int64_t k = i0; k < i0 + m; ++k) {
+        const float sc = static_cast<float>(scales[k]), z = static_cast<float>(zeros[k]);
         const float hi = z + sc * top;
-        if ((hi - hi == 0.0f) && (z - z == 0.0f) && (scale_bits[i] & 0x8000u) == 0u) continue;
-        const std::int64_t k = i0 + i;
+        if ((hi - hi == 0.0f) && (z - z == 0.0f) && (scales[k].bits & 0x8000u) == 0u) continue;
         std::string where;
         if (pair == 0) {
           const std::int64_t per_head = g.key_token_groups() * g.head_dim;
@@ -212,8 +207,9 @@ inline void expand_params(const layer_geometry& g, std::uint32_t layer, const st
 /// the geometry it expects, which streams are present and their checksums, the
 /// generation it belongs to. Host and device tensors derive from it and add
 /// only the storage; an engine with its own storage can too: admit() validates
-/// a segment (header, checksum, plan, shape, layer, generation; a resend that
-/// differs from the copy held is refused) and says which stream it is and
+/// a segment (header, checksum, plan, shape, layer, generation, an anchor's
+/// scales and zero points; a resend that differs from the copy held is
+/// refused) and says which stream it is and
 /// whether it is a duplicate, record() marks it present once its bytes are
 /// where the engine reads them.
 template <stream_plan_type Plan, int G>
@@ -258,10 +254,12 @@ class stream_ledger {
     bool duplicate = false;
   };
 
-  /// Validates a segment (header, checksum, plan, shape, layer, generation) and
+  /// Validates a segment (header, checksum, plan, shape, layer, generation; an
+  /// anchor's scales and zero points too, scanned in the checksum pass) and
   /// says where it goes; throws lynx::error on any problem. Changes nothing.
   [[nodiscard]] admission admit(std::span<const std::byte> segment) const {
-    const segment_header h = validate_segment(segment, geometry_, layer_);
+    detail::param_scan scan;
+    const segment_header h = validate_segment(segment, geometry_, layer_, &scan);
     if (h.generation != generation_)
       detail::fail(errc::stale_generation,
                    "segment of layer " + std::to_string(h.layer) + " stream " +
@@ -274,6 +272,8 @@ class stream_ledger {
                    "segment of layer " + std::to_string(h.layer) + " stream " +
                        std::to_string(h.stream) +
                        " differs from the copy already received (a sender re-encoded the layer?)");
+    if (scan.suspect)  // names the group at fault (or finds every range finite after all)
+      detail::check_params(geometry_, layer_, segment.data() + segment_header_bytes);
     return {s, h.checksum, present_[s]};
   }
   /// Marks a stream present once its payload is stored.
@@ -284,7 +284,7 @@ class stream_ledger {
 
  protected:
   /// A view at `level` whose stream s payload is payload_of(s) (absent streams:
-  /// nullptr) and whose expanded parameters are at `params`.
+  /// nullptr) and whose parameters are at `params` (the anchor's payload).
   template <memory_space Space, class PayloadOf>
   [[nodiscard]] bitplane_view<Plan, G, Space> make_view(int level, PayloadOf payload_of,
                                                         const std::byte* params) const {
@@ -327,8 +327,7 @@ class bitplane_tensor<Plan, G, host_space> : public stream_ledger<Plan, G> {
   /// (0: min(G, head_dim)); segments of any other geometry are refused.
   bitplane_tensor(kv_shape shape, std::uint32_t layer, std::uint64_t generation = 0,
                   std::int32_t value_group = 0)
-      : ledger(shape, layer, generation, value_group),
-        params_(static_cast<std::size_t>(this->geometry().params_bytes())) {
+      : ledger(shape, layer, generation, value_group) {
     for (int s = 0; s < Plan::streams; ++s)
       storage_[static_cast<std::size_t>(s)] =
           aligned_buffer(static_cast<std::size_t>(this->geometry().payload_bytes(s)));
@@ -339,9 +338,6 @@ class bitplane_tensor<Plan, G, host_space> : public stream_ledger<Plan, G> {
   accept_result accept(std::span<const std::byte> segment) {
     const auto a = this->admit(segment);
     if (a.duplicate) return accept_result::duplicate;
-    if (a.stream == 0)
-      detail::expand_params(this->geometry(), this->layer(), segment.data() + segment_header_bytes,
-                            params_.data());
     std::memcpy(storage_[a.stream].data(), segment.data() + segment_header_bytes,
                 storage_[a.stream].size());
     this->record(a);
@@ -354,11 +350,10 @@ class bitplane_tensor<Plan, G, host_space> : public stream_ledger<Plan, G> {
     return this->template make_view<host_space>(
         level,
         [&](int s) -> const std::byte* { return storage_[static_cast<std::size_t>(s)].data(); },
-        params_.data());
+        storage_[0].data());
   }
 
  private:
-  aligned_buffer params_;  // expanded float parameters, written when the anchor is accepted
   std::array<aligned_buffer, max_streams> storage_{};
 };
 
@@ -369,9 +364,8 @@ using host_bitplane_tensor = bitplane_tensor<Plan, G, host_space>;
 /// registered receive buffers, one per stream, each segment_bytes(geometry, s)
 /// long and 64-byte aligned): a transport writes stream s's whole segment
 /// (header and payload) into slot(s), then accept_in_place(s) validates it
-/// where it lies (header, checksum, parameters) and makes it visible. The
-/// planes are read from the slot, never copied; the anchor's parameters are
-/// expanded into the tensor's own buffer, as bitplane_tensor::accept does.
+/// where it lies (header, checksum, parameters) and makes it visible. Planes
+/// and parameters are read from the slot, never copied.
 /// Same refusals as bitplane_tensor (a refused segment changes nothing).
 /// A slot must not be written again once its stream is accepted (until reset):
 /// attention reads it.
@@ -387,8 +381,7 @@ class slot_tensor : public stream_ledger<Plan, G> {
 
   slot_tensor(kv_shape shape, std::uint32_t layer, std::uint64_t generation,
               std::span<const std::span<std::byte>> slots, std::int32_t value_group = 0)
-      : ledger(shape, layer, generation, value_group),
-        params_(static_cast<std::size_t>(this->geometry().params_bytes())) {
+      : ledger(shape, layer, generation, value_group) {
     if (!(static_cast<int>(slots.size()) == Plan::streams))
       detail::fail(errc::invalid_argument, "slot_tensor: " + std::to_string(slots.size()) +
                                                " slots for a plan of " +
@@ -439,24 +432,19 @@ class slot_tensor : public stream_ledger<Plan, G> {
         [&](int s) -> const std::byte* {
           return slots_[static_cast<std::size_t>(s)].data() + segment_header_bytes;
         },
-        params_.data());
+        slots_[0].data() + segment_header_bytes);
   }
 
  private:
-  // An admitted segment into its slot (copied only when it lies elsewhere); the
-  // parameters are checked first, so a refusal leaves the slot untouched.
+  // An admitted segment into its slot (copied only when it lies elsewhere).
   accept_result store(const typename ledger::admission& a, std::span<const std::byte> segment) {
     if (a.duplicate) return accept_result::duplicate;
-    if (a.stream == 0)
-      detail::expand_params(this->geometry(), this->layer(), segment.data() + segment_header_bytes,
-                            params_.data());
     const auto dst = slots_[a.stream];
     if (segment.data() != dst.data()) std::memcpy(dst.data(), segment.data(), dst.size());
     this->record(a);
     return accept_result::accepted;
   }
 
-  aligned_buffer params_;
   std::array<std::span<std::byte>, max_streams> slots_{};
 };
 

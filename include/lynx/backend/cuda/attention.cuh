@@ -166,14 +166,20 @@ struct attention_smem {
   static constexpr std::size_t bytes = static_cast<std::size_t>(floats) * 4;
 };
 
+/// A bf16 parameter through the read-only cache, as a float (exact).
+__device__ __forceinline__ float param_ldg(const bf16* p) {
+  return lynx::detail::bf16_bits_to_float(__ldg(reinterpret_cast<const unsigned short*>(p)));
+}
+
 /// Bit-plane source at `planes` of Bits planes (a device view's first streams).
 template <int Bits, int G>
 struct plane_source {
   plane_rows<const std::uint32_t> key_rows, value_rows;  // plane j of (head, block, channel)
-  const float* key_scale;                                // [kv_heads][key_token_groups][head_dim]
-  const float* key_zero;
-  const float* value_scale;  // [kv_heads][tokens][value_channel_groups]
-  const float* value_zero;
+  // the anchor's bf16 parameters, read where it lies
+  const bf16* key_scale;  // [kv_heads][key_token_groups][head_dim]
+  const bf16* key_zero;
+  const bf16* value_scale;  // [kv_heads][tokens][value_channel_groups]
+  const bf16* value_zero;
   std::int64_t tokens, blocks, key_groups, value_groups;
   int planes;
   float level_bias;  // 2^23 - half: (2^23 + x) - level_bias == x + half exactly
@@ -230,8 +236,8 @@ __device__ __forceinline__ void stage_block(const plane_source<Bits, G>& s, std:
     float scale = 0.0f, zero = 0.0f;
     if constexpr (Keys && G % tokens_per_word == 0) {
       const std::int64_t i = (h * s.key_groups + t_base / G) * D + c;  // one key group per block
-      scale = __ldg(s.key_scale + i);
-      zero = __ldg(s.key_zero + i);
+      scale = param_ldg(s.key_scale + i);
+      zero = param_ldg(s.key_zero + i);
     }
 #pragma unroll
     for (int k = 0; k < F::per_word; ++k) {
@@ -240,12 +246,12 @@ __device__ __forceinline__ void stage_block(const plane_source<Bits, G>& s, std:
       if (t < valid) {
         if constexpr (Keys && G % tokens_per_word != 0) {
           const std::int64_t i = (h * s.key_groups + (t_base + t) / G) * D + c;
-          scale = __ldg(s.key_scale + i);
-          zero = __ldg(s.key_zero + i);
+          scale = param_ldg(s.key_scale + i);
+          zero = param_ldg(s.key_zero + i);
         } else if constexpr (!Keys) {
           const std::int64_t i = (h * s.tokens + t_base + t) * s.value_groups + c / VG;
-          scale = __ldg(s.value_scale + i);
-          zero = __ldg(s.value_zero + i);
+          scale = param_ldg(s.value_scale + i);
+          zero = param_ldg(s.value_zero + i);
         }
         // level = float(prefix << (Bits - P)) + half, exactly as the host computes it
         const float level = __fsub_rn(__uint_as_float(magic_field<Bits>(code, k)), s.level_bias);

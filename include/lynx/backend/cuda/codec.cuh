@@ -387,8 +387,8 @@ __global__ void __launch_bounds__(tile_channels* tile_rows)
 /// once and writes tokens y, y+8, y+16, y+24.
 template <int Bits, bool Keys, class T>
 __global__ void __launch_bounds__(tile_channels* tile_rows)
-    reconstruct_kernel(kv_view<T, device_space> out, layer_geometry g, const float* scale,
-                       const float* zero, plane_rows<const std::uint32_t> in, int planes,
+    reconstruct_kernel(kv_view<T, device_space> out, layer_geometry g, const bf16* scale,
+                       const bf16* zero, plane_rows<const std::uint32_t> in, int planes,
                        float half) {
   const std::int64_t b = blockIdx.x, h = blockIdx.z;
   const std::int64_t D = g.head_dim, T_ = g.tokens;
@@ -411,7 +411,8 @@ __global__ void __launch_bounds__(tile_channels* tile_rows)
     const std::int64_t i = Keys ? (h * g.key_token_groups() + t / g.key_group) * D + c
                                 : (h * T_ + t) * g.value_channel_groups() + c / g.value_group;
     const float level = static_cast<float>(prefix << (Bits - planes)) + half;
-    out(t, h, c) = from_float<T>(reconstruct_from_level(level, {scale[i], zero[i]}));
+    out(t, h, c) = from_float<T>(
+        reconstruct_from_level(level, {static_cast<float>(scale[i]), static_cast<float>(zero[i])}));
   }
 }
 

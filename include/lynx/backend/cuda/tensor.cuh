@@ -98,9 +98,7 @@ class bitplane_tensor<Plan, G, device_space> : public stream_ledger<Plan, G> {
 
   bitplane_tensor(kv_shape shape, std::uint32_t layer, std::uint64_t generation = 0,
                   cudaStream_t stream = nullptr)
-      : ledger(shape, layer, generation),
-        stream_(stream),
-        params_(static_cast<std::size_t>(this->geometry().params_bytes())) {
+      : ledger(shape, layer, generation), stream_(stream) {
     for (int s = 0; s < Plan::streams; ++s)
       storage_[static_cast<std::size_t>(s)] =
           cuda::device_buffer(static_cast<std::size_t>(this->geometry().payload_bytes(s)));
@@ -114,14 +112,6 @@ class bitplane_tensor<Plan, G, device_space> : public stream_ledger<Plan, G> {
   accept_result accept(std::span<const std::byte> segment) {
     const auto a = this->admit(segment);
     if (a.duplicate) return accept_result::duplicate;
-    if (a.stream == 0) {  // checked and expanded on the host, as the host tensor does
-      std::vector<std::byte> expanded(params_.size());
-      detail::expand_params(this->geometry(), this->layer(), segment.data() + segment_header_bytes,
-                            expanded.data());
-      cuda::check(cudaMemcpyAsync(params_.data(), expanded.data(), expanded.size(),
-                                  cudaMemcpyHostToDevice, stream_),
-                  "cudaMemcpyAsync (expanded parameters to device)");
-    }
     cuda::check(cudaMemcpyAsync(storage_[a.stream].data(), segment.data() + segment_header_bytes,
                                 storage_[a.stream].size(), cudaMemcpyHostToDevice, stream_),
                 "cudaMemcpyAsync (segment payload to device)");
@@ -157,12 +147,11 @@ class bitplane_tensor<Plan, G, device_space> : public stream_ledger<Plan, G> {
     return this->template make_view<device_space>(
         level,
         [&](int s) -> const std::byte* { return storage_[static_cast<std::size_t>(s)].data(); },
-        params_.data());
+        storage_[0].data());
   }
 
  private:
   cudaStream_t stream_;
-  cuda::device_buffer params_;  // expanded float parameters (layout.hpp), on the device
   std::array<cuda::device_buffer, max_streams> storage_{};
 };
 

@@ -42,6 +42,12 @@ LYNX_ATTENTION_AVX2_TARGET inline __m256 fold4_avx2(const __m256* lo, const __m2
   return _mm256_add_ps(_mm256_shuffle_ps(v, v, 0x88), _mm256_shuffle_ps(v, v, 0xDD));
 }
 
+/// 8 consecutive bf16 values (quantization parameters) as floats.
+LYNX_ATTENTION_AVX2_TARGET inline __m256 load8_bf16_avx2(const bf16* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(
+      _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+
 /// Dense bf16 scores of HC (1, 2 or 4) heads against key row `row` (D a multiple
 /// of 32): the 32 channels of each step are widened as even and odd halves and
 /// multiplied by the query permuted the same way (qp: [HC][D], permute_query_bf16),
@@ -515,17 +521,17 @@ LYNX_ATTENTION_AVX2_TARGET void fold_queries_avx2(const Source& src, std::int64_
   if (D % attention_reduction_lanes != 0)
     return fold_queries_portable(src, kv_head, grp, q, heads, w);
   const std::int64_t base = (kv_head * g.key_token_groups() + grp) * D;
-  const float* scale = src.view.key_scale() + base;
-  const float* zero = src.view.key_zero() + base;
+  const bf16* scale = src.view.key_scale() + base;
+  const bf16* zero = src.view.key_zero() + base;
   const __m256 unit = _mm256_set1_ps(src.level_unit()), half = _mm256_set1_ps(src.half());
   for (int h0 = 0; h0 < heads; h0 += 4) {
     const int hn = std::min(4, heads - h0);
     __m256 sum[2][4];  // lanes 0-7 and 8-15 of each head's bias sum
     for (int b = 0; b < 4; ++b) sum[0][b] = sum[1][b] = _mm256_setzero_ps();
     for (int c = 0; c < D; c += 8) {
-      const __m256 sc = _mm256_loadu_ps(scale + c);
+      const __m256 sc = load8_bf16_avx2(scale + c);
       const __m256 su = _mm256_mul_ps(sc, unit);
-      const __m256 shift = _mm256_fmadd_ps(sc, half, _mm256_loadu_ps(zero + c));
+      const __m256 shift = _mm256_fmadd_ps(sc, half, load8_bf16_avx2(zero + c));
       const int k = (c / 8) % 2;
       for (int b = 0; b < hn; ++b) {
         const __m256 qv = _mm256_loadu_ps(q + (h0 + b) * D + c);
@@ -611,8 +617,8 @@ LYNX_ATTENTION_AVX2_TARGET inline void value_weights_avx2(const plane_kv_source&
   const layer_geometry& g = src.view.geometry;
   const int groups = static_cast<int>(g.value_channel_groups());
   const float unit = src.level_unit(), half = src.half();
-  const float* vs = src.view.value_scale() + (kv_head * g.tokens + t0) * groups;
-  const float* vz = src.view.value_zero() + (kv_head * g.tokens + t0) * groups;
+  const bf16* vs = src.view.value_scale() + (kv_head * g.tokens + t0) * groups;
+  const bf16* vz = src.view.value_zero() + (kv_head * g.tokens + t0) * groups;
   constexpr std::int64_t S = attention_split_tokens;
   const std::int64_t n = (t1 - t0) * groups;         // elements (token, group)
   const int L = attention_reduction_lanes * groups;  // lanes of all groups: [lane][grp]
@@ -638,9 +644,9 @@ LYNX_ATTENTION_AVX2_TARGET inline void value_weights_avx2(const plane_kv_source&
     for (int b = 0; b < hn; ++b) std::fill(lanes[b], lanes[b] + L, 0.0f);
     std::int64_t i = 0;
     for (; i + 8 <= n; i += 8) {
-      const __m256 s = _mm256_loadu_ps(vs + i);
+      const __m256 s = load8_bf16_avx2(vs + i);
       const __m256 su = _mm256_mul_ps(s, vu);
-      const __m256 shift = _mm256_fmadd_ps(s, vh, _mm256_loadu_ps(vz + i));
+      const __m256 shift = _mm256_fmadd_ps(s, vh, load8_bf16_avx2(vz + i));
       for (int b = 0; b < hn; ++b) {
         const __m256 p = token_p(w.scores + (h0 + b) * S + i / groups);
         _mm256_storeu_ps(w.weights + (h0 + b) * S * groups + i, _mm256_mul_ps(p, su));
@@ -651,7 +657,8 @@ LYNX_ATTENTION_AVX2_TARGET inline void value_weights_avx2(const plane_kv_source&
     for (; i < n; ++i)  // a last step of fewer than 8 elements
       for (int b = 0; b < hn; ++b) {
         const float p = w.scores[(h0 + b) * S + i / groups];
-        const value_token_weight vw = fold_value_token(p, vs[i], vz[i], unit, half);
+        const value_token_weight vw =
+            fold_value_token(p, static_cast<float>(vs[i]), static_cast<float>(vz[i]), unit, half);
         w.weights[(h0 + b) * S * groups + i] = vw.weight;
         float& sum = lanes[b][i % L];
         sum = value_offset_step(sum, p, vw.shift);

@@ -66,12 +66,23 @@ LYNX_ATTENTION_AVX512_TARGET inline float exp2_shifted_sum_avx512(float* s, std:
   return reduce_lanes(r);
 }
 
+/// 16 consecutive bf16 parameters as floats (exact); with k, those of the lanes
+/// set in k (the rest 0, nothing read for them).
+LYNX_ATTENTION_AVX512_TARGET inline __m512 params16_avx512(const bf16* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+LYNX_ATTENTION_AVX512_TARGET inline __m512 params16_avx512(__mmask16 k, const bf16* p) {
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, p)), 16));
+}
+
 /// fold_query_into_key_group for `heads` queries q[h][D] against one key group,
 /// 16 channels per step (same operations per lane): the group's scale * unit and
 /// scale * half + zero are computed once for all heads, each head's lanes fold by
 /// the same halving tree, in registers.
 LYNX_ATTENTION_AVX512_TARGET inline void fold_queries_avx512(const float* q, int heads,
-                                                             const float* scale, const float* zero,
+                                                             const bf16* scale, const bf16* zero,
                                                              int D, float unit, float half,
                                                              float* qs, float* bias) {
   const __m512 u = _mm512_set1_ps(unit), hv = _mm512_set1_ps(half);
@@ -82,9 +93,9 @@ LYNX_ATTENTION_AVX512_TARGET inline void fold_queries_avx512(const float* q, int
     for (int c = 0; c < D; c += 16) {
       const __mmask16 k = D - c >= 16 ? static_cast<__mmask16>(0xFFFF)
                                       : static_cast<__mmask16>((1u << (D - c)) - 1u);
-      const __m512 sc = _mm512_maskz_loadu_ps(k, scale + c);
+      const __m512 sc = params16_avx512(k, scale + c);
       const __m512 su = _mm512_mul_ps(sc, u),
-                   off = _mm512_fmadd_ps(sc, hv, _mm512_maskz_loadu_ps(k, zero + c));
+                   off = _mm512_fmadd_ps(sc, hv, params16_avx512(k, zero + c));
 #pragma GCC unroll 8
       for (int h = 0; h < 8; ++h) {
         if (h >= hn) break;
@@ -106,27 +117,39 @@ LYNX_ATTENTION_AVX512_TARGET inline void fold_queries_avx512(const float* q, int
   }
 }
 
-/// Column g of 16 consecutive rows of a [rows][groups] float array (the value
-/// parameters of 16 tokens): permutes for 1, 2, 4, 8 groups, a gather otherwise.
-LYNX_ATTENTION_AVX512_TARGET inline __m512 group_column_avx512(const float* rows,
-                                                               std::int64_t groups, std::int64_t g,
-                                                               __m512i stride) {
+/// Elements 0, groups, 2 groups, ... of `column` (a column of the value
+/// parameters) for the lanes set in `live`, the rest 0: one element at a time
+/// (the ends of splits and uncommon group counts), never reading past the last.
+LYNX_ATTENTION_AVX512_TARGET inline __m512 group_column_part_avx512(const bf16* column,
+                                                                    std::int64_t groups,
+                                                                    __mmask16 live) {
+  alignas(32) std::uint16_t bits[16] = {};
+  for (int l = 0; l < 16; ++l)
+    if ((live >> l) & 1u) bits[l] = column[l * groups].bits;
+  return params16_avx512(reinterpret_cast<const bf16*>(bits));
+}
+
+/// Column g of 16 consecutive rows of a [rows][groups] bf16 array (the value
+/// parameters of 16 tokens) as floats: permutes for 1, 2, 4, 8 groups.
+LYNX_ATTENTION_AVX512_TARGET inline __m512 group_column_avx512(const bf16* rows,
+                                                               std::int64_t groups,
+                                                               std::int64_t g) {
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const int G = static_cast<int>(groups), gi = static_cast<int>(g);
   switch (G) {
     case 1:
-      return _mm512_loadu_ps(rows);
+      return params16_avx512(rows);
     case 2: {
       const __m512i idx = _mm512_add_epi32(_mm512_slli_epi32(lane, 1), _mm512_set1_epi32(gi));
-      return _mm512_permutex2var_ps(_mm512_loadu_ps(rows), idx, _mm512_loadu_ps(rows + 16));
+      return _mm512_permutex2var_ps(params16_avx512(rows), idx, params16_avx512(rows + 16));
     }
     case 4: {
       const __m512i idx =
           _mm512_add_epi32(_mm512_slli_epi32(lane, 2), _mm512_set1_epi32(gi));  // lanes 0-7 valid
       const __m512 a =
-          _mm512_permutex2var_ps(_mm512_loadu_ps(rows), idx, _mm512_loadu_ps(rows + 16));
+          _mm512_permutex2var_ps(params16_avx512(rows), idx, params16_avx512(rows + 16));
       const __m512 b =
-          _mm512_permutex2var_ps(_mm512_loadu_ps(rows + 32), idx, _mm512_loadu_ps(rows + 48));
+          _mm512_permutex2var_ps(params16_avx512(rows + 32), idx, params16_avx512(rows + 48));
       return _mm512_shuffle_f32x4(a, b, 0x44);
     }
     case 8: {
@@ -134,14 +157,14 @@ LYNX_ATTENTION_AVX512_TARGET inline __m512 group_column_avx512(const float* rows
           _mm512_add_epi32(_mm512_slli_epi32(lane, 3), _mm512_set1_epi32(gi));  // lanes 0-3 valid
       __m512 q[4];
       for (int k = 0; k < 4; ++k)
-        q[k] = _mm512_permutex2var_ps(_mm512_loadu_ps(rows + 32 * k), idx,
-                                      _mm512_loadu_ps(rows + 32 * k + 16));
+        q[k] = _mm512_permutex2var_ps(params16_avx512(rows + 32 * k), idx,
+                                      params16_avx512(rows + 32 * k + 16));
       const __m512 x = _mm512_shuffle_f32x4(q[0], q[1], 0x00),
                    y = _mm512_shuffle_f32x4(q[2], q[3], 0x00);
       return _mm512_shuffle_f32x4(x, y, 0x88);
     }
     default:
-      return _mm512_i32gather_ps(stride, rows + g, 4);
+      return group_column_part_avx512(rows + g, groups, static_cast<__mmask16>(0xFFFF));
   }
 }
 
@@ -155,8 +178,8 @@ struct weight_rows {
 };
 template <int HN, int GN>
 LYNX_ATTENTION_AVX512_TARGET inline void value_weights_tile_avx512(
-    const float* vs, const float* vz, std::int64_t groups, int h0, int hn, std::int64_t g0, int gn,
-    std::int64_t t0, std::int64_t n, __m512 u, __m512 hv, __m512i stride, const split_scratch& w,
+    const bf16* vs, const bf16* vz, std::int64_t groups, int h0, int hn, std::int64_t g0, int gn,
+    std::int64_t t0, std::int64_t n, __m512 u, __m512 hv, const split_scratch& w,
     const weight_rows& out) {
   // local copies: the stores below cannot change them
   const float* const scores = w.scores;
@@ -179,14 +202,12 @@ LYNX_ATTENTION_AVX512_TARGET inline void value_weights_tile_avx512(
     for (int k = 0; k < GN; ++k) {
       if (k >= gn) break;
       const std::int64_t grp = g0 + k;
-      const float* base_s = vs + (t0 + i) * groups + grp;
-      const float* base_z = vz + (t0 + i) * groups + grp;
-      const __m512 sc =
-          whole ? group_column_avx512(base_s - grp, groups, grp, stride)
-                : _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, stride, base_s, 4);
-      const __m512 zr =
-          whole ? group_column_avx512(base_z - grp, groups, grp, stride)
-                : _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, stride, base_z, 4);
+      const bf16* base_s = vs + (t0 + i) * groups + grp;
+      const bf16* base_z = vz + (t0 + i) * groups + grp;
+      const __m512 sc = whole ? group_column_avx512(base_s - grp, groups, grp)
+                              : group_column_part_avx512(base_s, groups, live);
+      const __m512 zr = whole ? group_column_avx512(base_z - grp, groups, grp)
+                              : group_column_part_avx512(base_z, groups, live);
       const __m512 su = _mm512_mul_ps(sc, u), off = _mm512_fmadd_ps(sc, hv, zr);
 #pragma GCC unroll 8
       for (int h = 0; h < HN; ++h) {
@@ -230,33 +251,30 @@ LYNX_ATTENTION_AVX512_TARGET void value_weights_range_avx512(
   const int shift = gfni_values(src) ? decoded_bits(src.planes) - src.planes : 0;
   const __m512 u = _mm512_set1_ps(std::ldexp(src.level_unit(), -shift)),
                hv = _mm512_set1_ps(src.half());
-  const float* vs = src.view.value_scale() + kv_head * g.tokens * groups;
-  const float* vz = src.view.value_zero() + kv_head * g.tokens * groups;
-  const __m512i stride =
-      _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                         _mm512_set1_epi32(static_cast<int>(groups)));
+  const bf16* vs = src.view.value_scale() + kv_head * g.tokens * groups;
+  const bf16* vz = src.view.value_zero() + kv_head * g.tokens * groups;
   const std::int64_t n = t1 - t0;
   // up to 4 heads x 4 groups at a time (the 16 offset lanes stay in registers), else 8 x 8
   // (no dispatch lambda here: a lambda has no target attribute, and the tiles take vectors)
   if (gn == 1 && hn == 4) {  // one pass of the GFNI value kernels
-    value_weights_tile_avx512<4, 1>(vs, vz, groups, h0, 4, g0, 1, t0, n, u, hv, stride, w, out);
+    value_weights_tile_avx512<4, 1>(vs, vz, groups, h0, 4, g0, 1, t0, n, u, hv, w, out);
   } else if (gn == 1 && hn == 2) {
-    value_weights_tile_avx512<2, 1>(vs, vz, groups, h0, 2, g0, 1, t0, n, u, hv, stride, w, out);
+    value_weights_tile_avx512<2, 1>(vs, vz, groups, h0, 2, g0, 1, t0, n, u, hv, w, out);
   } else if (gn == 1 && hn == 1) {
-    value_weights_tile_avx512<1, 1>(vs, vz, groups, h0, 1, g0, 1, t0, n, u, hv, stride, w, out);
+    value_weights_tile_avx512<1, 1>(vs, vz, groups, h0, 1, g0, 1, t0, n, u, hv, w, out);
   } else if (hn <= 4 && gn <= 4) {
     value_weights_tile_avx512<4, 4>(vs, vz, groups, h0, hn, g0, static_cast<int>(gn), t0, n, u, hv,
-                                    stride, w, out);
+                                    w, out);
   } else if (hn % 4 == 0 && gn % 4 == 0) {
     for (int h = h0; h < h0 + hn; h += 4)
       for (std::int64_t k = g0; k < g0 + gn; k += 4)
-        value_weights_tile_avx512<4, 4>(vs, vz, groups, h, 4, k, 4, t0, n, u, hv, stride, w, out);
+        value_weights_tile_avx512<4, 4>(vs, vz, groups, h, 4, k, 4, t0, n, u, hv, w, out);
   } else {
     for (int h = h0; h < h0 + hn; h += 8)
       for (std::int64_t k = g0; k < g0 + gn; k += 8)
         value_weights_tile_avx512<8, 8>(vs, vz, groups, h, std::min(8, h0 + hn - h), k,
                                         static_cast<int>(std::min<std::int64_t>(8, g0 + gn - k)),
-                                        t0, n, u, hv, stride, w, out);
+                                        t0, n, u, hv, w, out);
   }
   // tokens past t1 in the last block weigh 0 (the kernels walk whole blocks)
   const std::int64_t end =

@@ -313,8 +313,8 @@ struct key_group_folds {
   const float* q;
   int heads, D;
   float unit, half;
-  const float *scale, *zero;  // the layer's key parameters
-  std::int64_t first_group;   // kv_head * key_token_groups
+  const bf16 *scale, *zero;  // the layer's key parameters
+  std::int64_t first_group;  // kv_head * key_token_groups
   const split_scratch& w;
   std::int64_t folded[2] = {-1, -1};
   LYNX_ATTENTION_AVX512_TARGET void operator()(std::int64_t grp) {
@@ -376,8 +376,8 @@ LYNX_ATTENTION_AVX512_TARGET inline void score_tokens_avx512(
       const std::int64_t pf =
           (kv_head * g.key_token_groups() + (b + prefetch_blocks) * attention_block_tokens / KG) *
           D;
-      prefetch_lines<3>(src.view.key_scale() + pf, D * 4);
-      prefetch_lines<3>(src.view.key_zero() + pf, D * 4);
+      prefetch_lines<3>(src.view.key_scale() + pf, D * 2);
+      prefetch_lines<3>(src.view.key_zero() + pf, D * 2);
     }
     src.block_rows(true, kv_head, b, rows);
     float* out = w.scores + (tb - t0);

@@ -259,8 +259,8 @@ void value_weights_portable(const Source& src, std::int64_t kv_head, int heads, 
   const layer_geometry& g = src.view.geometry;
   const std::int64_t groups = g.value_channel_groups();
   const float unit = src.level_unit(), half = src.half();
-  const float* vs = src.view.value_scale() + kv_head * g.tokens * groups;
-  const float* vz = src.view.value_zero() + kv_head * g.tokens * groups;
+  const bf16* vs = src.view.value_scale() + kv_head * g.tokens * groups;
+  const bf16* vz = src.view.value_zero() + kv_head * g.tokens * groups;
   constexpr int N = attention_reduction_lanes;
   for (int h = 0; h < heads; ++h)
     for (std::int64_t grp = 0; grp < groups; ++grp) {
@@ -272,13 +272,15 @@ void value_weights_portable(const Source& src, std::int64_t kv_head, int heads, 
         for (int l = 0; l < N; ++l) {
           const std::int64_t i = t + l;
           const value_token_weight vw =
-              fold_value_token(p[i - t0], vs[i * groups + grp], vz[i * groups + grp], unit, half);
+              fold_value_token(p[i - t0], static_cast<float>(vs[i * groups + grp]),
+                               static_cast<float>(vz[i * groups + grp]), unit, half);
           out[i - t0] = vw.weight;
           lane[l] = value_offset_step(lane[l], p[i - t0], vw.shift);
         }
       for (; t < t1; ++t) {
         const value_token_weight vw =
-            fold_value_token(p[t - t0], vs[t * groups + grp], vz[t * groups + grp], unit, half);
+            fold_value_token(p[t - t0], static_cast<float>(vs[t * groups + grp]),
+                             static_cast<float>(vz[t * groups + grp]), unit, half);
         out[t - t0] = vw.weight;
         float& sum = lane[(t - t0) % N];
         sum = value_offset_step(sum, p[t - t0], vw.shift);

@@ -97,18 +97,10 @@ struct code_data {
   const Code* key_codes = nullptr;
   const Code* value_codes = nullptr;
 
-  [[nodiscard]] const float* key_scale() const {
-    return reinterpret_cast<const float*>(params + geometry.key_scale_offset());
-  }
-  [[nodiscard]] const float* key_zero() const {
-    return reinterpret_cast<const float*>(params + geometry.key_zero_offset());
-  }
-  [[nodiscard]] const float* value_scale() const {
-    return reinterpret_cast<const float*>(params + geometry.value_scale_offset());
-  }
-  [[nodiscard]] const float* value_zero() const {
-    return reinterpret_cast<const float*>(params + geometry.value_zero_offset());
-  }
+  [[nodiscard]] const bf16* key_scale() const { return wire_params(geometry, params, 0); }
+  [[nodiscard]] const bf16* key_zero() const { return wire_params(geometry, params, 1); }
+  [[nodiscard]] const bf16* value_scale() const { return wire_params(geometry, params, 2); }
+  [[nodiscard]] const bf16* value_zero() const { return wire_params(geometry, params, 3); }
   /// Key codes of block b of kv head h: [head_dim][32].
   [[nodiscard]] const Code* key_block(std::int64_t h, std::int64_t b) const {
     return key_codes + (h * geometry.blocks() + b) * geometry.head_dim * tokens_per_word;
@@ -146,8 +138,8 @@ struct code_kv_source {
                        b1 = (t1 + attention_block_tokens - 1) / attention_block_tokens;
     constexpr std::int64_t code_bytes = sizeof(code_type);
     const auto p = keys ? g.key_params_of(h, t0, t1) : g.value_params_of(h, t0, t1);
-    walk.add((keys ? view.key_scale() : view.value_scale()) + p.first, (p.end - p.first) * 4);
-    walk.add((keys ? view.key_zero() : view.value_zero()) + p.first, (p.end - p.first) * 4);
+    walk.add((keys ? view.key_scale() : view.value_scale()) + p.first, (p.end - p.first) * 2);
+    walk.add((keys ? view.key_zero() : view.value_zero()) + p.first, (p.end - p.first) * 2);
     if (keys)
       walk.add(view.key_block(h, b0), (b1 - b0) * g.head_dim * attention_block_tokens * code_bytes);
     else

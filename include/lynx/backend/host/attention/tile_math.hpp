@@ -80,15 +80,17 @@ LYNX_HOST_DEVICE float reduce_lanes(float* lane) {
 ///   qs[c] = q[c] * (scale_c * 2^(B-P)),  bias = sum_c q[c] * (scale_c * half + zero_c)
 /// bias is summed like a dense score: lane c mod 16 by fused multiply-adds in
 /// channel order, then the halving tree (so SIMD backends evaluate it 16 wide).
-LYNX_HOST_DEVICE float fold_query_into_key_group(const float* q, const float* scale,
-                                                 const float* zero, int head_dim, float level_unit,
+/// Param: float or bf16 (the parameters as they travel; the same values).
+template <class Param>
+LYNX_HOST_DEVICE float fold_query_into_key_group(const float* q, const Param* scale,
+                                                 const Param* zero, int head_dim, float level_unit,
                                                  float half, float* LYNX_RESTRICT qs) {
   constexpr int N = attention_reduction_lanes;
   float lane[N] = {};
   const auto fold = [&](int c, int l) {  // channel c into lane l = c mod 16
-    qs[c] = q[c] * (scale[c] * level_unit);
-    lane[l] = detail::fused_multiply_add(q[c], detail::fused_multiply_add(scale[c], half, zero[c]),
-                                         lane[l]);
+    const float sc = static_cast<float>(scale[c]), z = static_cast<float>(zero[c]);
+    qs[c] = q[c] * (sc * level_unit);
+    lane[l] = detail::fused_multiply_add(q[c], detail::fused_multiply_add(sc, half, z), lane[l]);
   };
   int c = 0;
   for (; c + N <= head_dim; c += N)  // whole steps of the 16 lanes (a compiler vectorizes them)

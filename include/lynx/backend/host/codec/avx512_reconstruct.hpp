@@ -130,7 +130,7 @@ LYNX_CODEC_AVX512_TARGET LYNX_ALWAYS_INLINE void store32_bf16(bf16* p, __m512 lo
 /// zero one of 2^(e_zero - 23) >= 2^-126, so their exact sum is 0 or at least
 /// 2^-126, the smallest normal, and so is its rounding. Parameters from real
 /// K/V always pass; the check lets a block skip the per-vector denormal test.
-LYNX_CODEC_AVX512_TARGET inline bool outputs_never_denormal(const float* scale, const float* zero,
+LYNX_CODEC_AVX512_TARGET inline bool outputs_never_denormal(const bf16* scale, const bf16* zero,
                                                             std::int64_t count) {
   // |x| bits - 1 below (threshold bits - 1), unsigned: nonzero and under the
   // threshold; NaN and infinity fail the second test.
@@ -141,8 +141,15 @@ LYNX_CODEC_AVX512_TARGET inline bool outputs_never_denormal(const float* scale, 
   for (std::int64_t i = 0; i < count; i += 16) {
     const __mmask16 lanes =
         count - i >= 16 ? __mmask16{0xffff} : static_cast<__mmask16>((1u << (count - i)) - 1u);
-    const __m512i s = _mm512_and_si512(_mm512_maskz_loadu_epi32(lanes, scale + i), abs_mask),
-                  z = _mm512_and_si512(_mm512_maskz_loadu_epi32(lanes, zero + i), abs_mask);
+    // the bf16 values as float bits (their 16 bits on top)
+    const __m512i s = _mm512_and_si512(
+                      _mm512_slli_epi32(
+                          _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, scale + i)), 16),
+                      abs_mask),
+                  z = _mm512_and_si512(
+                      _mm512_slli_epi32(
+                          _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, zero + i)), 16),
+                      abs_mask);
     bad |= _mm512_cmplt_epu32_mask(_mm512_sub_epi32(s, one), scale_low) |
            _mm512_cmplt_epu32_mask(_mm512_sub_epi32(z, one), zero_low) |
            _mm512_cmpge_epu32_mask(s, inf) | _mm512_cmpge_epu32_mask(z, inf);
@@ -180,8 +187,8 @@ LYNX_CODEC_AVX512_TARGET LYNX_ALWAYS_INLINE void store_row(T* out, std::int64_t 
 template <int Bits, bool Lut, class T>
 LYNX_CODEC_AVX512_TARGET __attribute__((flatten)) void reconstruct_rows(
     const layer_geometry& g, std::int64_t h, std::int64_t t0, std::int64_t n, bool keys,
-    bool stream, __m512 half_v, __m512 lut, const float* key_scale, const float* key_zero,
-    const float* value_scale, const float* value_zero, const kv_view<T, host_space>& keys_out,
+    bool stream, __m512 half_v, __m512 lut, const bf16* key_scale, const bf16* key_zero,
+    const bf16* value_scale, const bf16* value_zero, const kv_view<T, host_space>& keys_out,
     const kv_view<T, host_space>& values_out, const __m512i* stage_hi, const __m512i* stage_lo,
     prefetch_walk& walk, int lines_per_row, bool bf16_cvt) {
   const std::int64_t D = g.head_dim, chunks = D / 16;
@@ -212,8 +219,8 @@ LYNX_CODEC_AVX512_TARGET __attribute__((flatten)) void reconstruct_rows(
   const std::int64_t row_stride = out.token_stride;
   std::int64_t key_base = (h * g.key_token_groups() + t0 / g.key_group) * D,
                in_group = t0 % g.key_group;
-  const float* vs = value_scale + (h * g.tokens + t0) * g.value_channel_groups();
-  const float* vz = value_zero + (h * g.tokens + t0) * g.value_channel_groups();
+  const bf16* vs = value_scale + (h * g.tokens + t0) * g.value_channel_groups();
+  const bf16* vz = value_zero + (h * g.tokens + t0) * g.value_channel_groups();
   const std::int64_t value_step = g.value_channel_groups();
   bool normal = false;        // read by the bf16 stores only
   bool value_tables = false;  // the path below: bf16 outputs, prefixes, groups of 32k channels
@@ -227,12 +234,11 @@ LYNX_CODEC_AVX512_TARGET __attribute__((flatten)) void reconstruct_rows(
   for (std::int64_t t = 0; t < n; ++t, row += row_stride) {
     walk.step_n(lines_per_row);
     if (keys) {
-      const float* ks = key_scale + key_base;
-      const float* kz = key_zero + key_base;
+      const bf16* ks = key_scale + key_base;
+      const bf16* kz = key_zero + key_base;
       store_row(row, chunks, stream, bf16_cvt, normal,
                 [&](std::int64_t q) LYNX_CODEC_AVX512_TARGET {
-                  return _mm512_fmadd_ps(_mm512_loadu_ps(ks + 16 * q), level(q, t),
-                                         _mm512_loadu_ps(kz + 16 * q));
+                  return _mm512_fmadd_ps(load16(ks + 16 * q), level(q, t), load16(kz + 16 * q));
                 });
       if (++in_group == g.key_group) {
         in_group = 0;
@@ -245,17 +251,19 @@ LYNX_CODEC_AVX512_TARGET __attribute__((flatten)) void reconstruct_rows(
       const bool aligned = stream && (reinterpret_cast<std::uintptr_t>(row) & 63) == 0;
       for (std::int64_t q = 0; q < chunks; q += 2) {
         const std::int32_t grp = group_of_chunk[q];
-        const __m512 table = _mm512_fmadd_ps(_mm512_set1_ps(vs[grp]), lut, _mm512_set1_ps(vz[grp]));
+        const __m512 table = _mm512_fmadd_ps(_mm512_set1_ps(static_cast<float>(vs[grp])), lut,
+                                             _mm512_set1_ps(static_cast<float>(vz[grp])));
         store32_bf16(reinterpret_cast<bf16*>(row) + 16 * q,
                      _mm512_permutexvar_ps(nibbles(q, t), table),
                      _mm512_permutexvar_ps(nibbles(q + 1, t), table), aligned, normal);
       }
     } else {
-      store_row(
-          row, chunks, stream, bf16_cvt, normal, [&](std::int64_t q) LYNX_CODEC_AVX512_TARGET {
-            const std::int64_t grp = small ? group_of_chunk[q] : (16 * q) / g.value_group;
-            return _mm512_fmadd_ps(_mm512_set1_ps(vs[grp]), level(q, t), _mm512_set1_ps(vz[grp]));
-          });
+      store_row(row, chunks, stream, bf16_cvt, normal,
+                [&](std::int64_t q) LYNX_CODEC_AVX512_TARGET {
+                  const std::int64_t grp = small ? group_of_chunk[q] : (16 * q) / g.value_group;
+                  return _mm512_fmadd_ps(_mm512_set1_ps(static_cast<float>(vs[grp])), level(q, t),
+                                         _mm512_set1_ps(static_cast<float>(vz[grp])));
+                });
     }
     if (!keys) {
       vs += value_step;
@@ -270,8 +278,8 @@ LYNX_CODEC_AVX512_TARGET __attribute__((flatten)) void reconstruct_rows(
 template <int Bits, class T, class Rows>
 LYNX_CODEC_AVX512_TARGET void reconstruct_block(
     const layer_geometry& g, std::int64_t h, std::int64_t b, int P, float half,
-    const float* key_scale, const float* key_zero, const float* value_scale,
-    const float* value_zero, Rows&& plane_rows, const kv_view<T, host_space>& keys_out,
+    const bf16* key_scale, const bf16* key_zero, const bf16* value_scale, const bf16* value_zero,
+    Rows&& plane_rows, const kv_view<T, host_space>& keys_out,
     const kv_view<T, host_space>& values_out, __m512i* stage_hi, __m512i* stage_lo,
     prefetch_walk& next, bool bf16_cvt) {
   const std::int64_t D = g.head_dim, chunks = D / 16, T_ = g.tokens;

@@ -16,7 +16,7 @@
 option(LYNX_FUZZ "Register the libFuzzer targets of tests/fuzz as CTest tests (label fuzz)" OFF)
 set(LYNX_FUZZ_SECONDS 60 CACHE STRING "Seconds each fuzz.<target> test fuzzes for")
 set(LYNX_FUZZ_TARGET_NAMES
-    segment_accept tcp_frames ucx_header llama2c_checkpoint llama2c_tokenizer)
+    segment_accept tcp_frames ucx_header llama2c_checkpoint llama2c_tokenizer gguf_reader)
 
 if(LYNX_FUZZ)
   find_program(LYNX_FUZZ_BASH bash REQUIRED)

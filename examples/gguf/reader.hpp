@@ -1,6 +1,7 @@
 // A reader for GGUF v2/v3 model files (the ggml / llama.cpp container): the
 // header, every metadata key/value, the tensor table, and views of each
-// tensor's raw bytes inside a read-only memory mapping of the file.
+// tensor's raw bytes inside a read-only memory mapping of the file (or inside
+// bytes already in memory).
 //
 // A malformed file never crashes the reader and never makes it allocate what
 // the file merely claims: every read is bounds-checked against the file size,
@@ -232,10 +233,14 @@ struct metadata_entry {
 
 namespace detail {
 
-// A read-only mapping of a whole file. Move-only; unmaps on destruction.
+// A read-only mapping of a whole file, or a view of bytes the caller owns
+// (file's in-memory constructor). Move-only; unmaps on destruction what it mapped.
 class mapping {
  public:
   mapping() = default;
+  // Borrows the bytes: nothing is copied or unmapped.
+  explicit mapping(std::span<const std::byte> bytes)
+      : data_(bytes.empty() ? nullptr : bytes.data()), size_(bytes.size()), owned_(false) {}
   explicit mapping(const std::filesystem::path& path) {
     const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
     if (fd < 0)
@@ -270,12 +275,15 @@ class mapping {
   mapping(const mapping&) = delete;
   mapping& operator=(const mapping&) = delete;
   mapping(mapping&& other) noexcept
-      : data_(std::exchange(other.data_, nullptr)), size_(std::exchange(other.size_, 0)) {}
+      : data_(std::exchange(other.data_, nullptr)),
+        size_(std::exchange(other.size_, 0)),
+        owned_(std::exchange(other.owned_, true)) {}
   mapping& operator=(mapping&& other) noexcept {
     if (this != &other) {
       release();
       data_ = std::exchange(other.data_, nullptr);
       size_ = std::exchange(other.size_, 0);
+      owned_ = std::exchange(other.owned_, true);
     }
     return *this;
   }
@@ -286,11 +294,13 @@ class mapping {
 
  private:
   void release() {
-    if (data_ != nullptr) ::munmap(const_cast<std::byte*>(data_), static_cast<std::size_t>(size_));
+    if (data_ != nullptr && owned_)
+      ::munmap(const_cast<std::byte*>(data_), static_cast<std::size_t>(size_));
     data_ = nullptr;
   }
   const std::byte* data_ = nullptr;
   std::uint64_t size_ = 0;
+  bool owned_ = true;  // false: borrowed bytes, not ours to unmap
 };
 
 // A non-owning reference to a callable that names a field. Field names are
@@ -482,13 +492,22 @@ T load(const std::byte* p) {
 
 }  // namespace detail
 
-/// A GGUF file, mapped read-only for the reader's lifetime. Move-only. Views
-/// handed out (strings, string arrays, tensor data) point into the mapping and
-/// stay valid as long as the file object (or the one it was moved into) lives.
+/// A GGUF file, mapped read-only for the reader's lifetime (or bytes in memory,
+/// read in place). Move-only. Views handed out (strings, string arrays, tensor
+/// data) point into the mapping and stay valid as long as the file object (or
+/// the one it was moved into) lives.
 class file {
  public:
   explicit file(const std::filesystem::path& path)
       : path_(path), where_(" (in " + path.string() + ")"), map_(path) {
+    parse();
+  }
+  /// A GGUF file already in memory, read in place (nothing is copied): the
+  /// bytes must stay alive and unchanged as long as this object (and the views
+  /// it hands out) live. `name` stands for the path in messages and path().
+  /// Same checks and errors as reading from a path.
+  file(std::span<const std::byte> bytes, const std::string& name)
+      : path_(name), where_(" (in " + name + ")"), map_(bytes) {
     parse();
   }
   file(const file&) = delete;

@@ -17,6 +17,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <span>
 #include <string>
 #include <string_view>
 #include <type_traits>
@@ -313,6 +314,33 @@ TEST_CASE("the file is move-only and views survive a move") {
   gguf::file h(write_file("valid2.gguf", valid_file()));
   h = std::move(g);
   CHECK(h.get_string_array("t.strings").size() == 3);
+}
+
+TEST_CASE("a file in memory reads in place, as the same bytes on disk do") {
+  const gguf_bytes b = valid_file();
+  const gguf::file disk(write_file("valid.gguf", b));
+  gguf::file mem(std::span(b.bytes()), "valid in memory");
+  CHECK(mem.path() == "valid in memory");
+  CHECK(mem.size() == disk.size());
+  CHECK(mem.data_offset() == disk.data_offset());
+  CHECK(mem.keys() == disk.keys());
+  CHECK(mem.get_string("t.string").data() ==
+        reinterpret_cast<const char*>(b.bytes().data()) + (disk.entry("t.string").offset + 8));
+  const auto raw = mem.data(mem.tensor("w.q8_0"));
+  CHECK(raw.data() == b.bytes().data() + disk.tensor("w.q8_0").offset);  // no copy
+  CHECK(gguf::dequantize(mem, mem.tensor("w.q8_0")) ==
+        gguf::dequantize(disk, disk.tensor("w.q8_0")));
+  const gguf::file moved(std::move(mem));  // borrowed bytes: moved, never unmapped
+  CHECK(moved.get_string("t.string") == "hello, gguf");
+
+  // The same refusals, naming the name given.
+  gguf_bytes cut;
+  cut.raw(b.bytes().data(), 40);
+  CHECK_CONTAINS(error_of([&] { const gguf::file f(std::span(cut.bytes()), "cut"); }),
+                 "metadata count at offset 24 claims 20 entries");
+  CHECK_CONTAINS(error_of([&] { const gguf::file f(std::span(cut.bytes()), "cut"); }), "(in cut)");
+  CHECK_CONTAINS(error_of([&] { const gguf::file f(std::span<const std::byte>(), "empty"); }),
+                 "truncated file at offset 0 reading magic");
 }
 
 TEST_CASE("missing keys and wrong types name the key and the type found") {

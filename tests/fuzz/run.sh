@@ -54,6 +54,7 @@ targets=(
   "ucx_header|-I$root/include $root/tests/fuzz/ucx_header.cpp -lucp -lucs|4096|--make-seeds SEEDS"
   "llama2c_checkpoint|-I$root/examples/llama2c $root/tests/fuzz/llama2c_checkpoint.cpp|65536|--make-seeds SEEDS"
   "llama2c_tokenizer|-I$root/examples/llama2c $root/tests/fuzz/llama2c_tokenizer.cpp|65536|--make-seeds SEEDS $root/examples/models/tok512.bin"
+  "gguf_reader|-I$root/include -I$root/examples $root/tests/fuzz/gguf_reader.cpp|65536|--make-seeds SEEDS"
 )
 
 selected=${LYNX_FUZZ_TARGETS:-}

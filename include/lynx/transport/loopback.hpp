@@ -254,6 +254,18 @@ class loopback_link {
   [[nodiscard]] receiver_endpoint& receiver() noexcept { return receiver_; }
   [[nodiscard]] int lane_count() const noexcept { return state_.lanes; }
 
+  /// Bytes the link holds for segments posted and not yet taken by the
+  /// receiver (its copies; a one-sided write holds none). It grows only with
+  /// what is posted: a receiver that stops taking segments stops the
+  /// "delivered" events, so a stream_scheduler stops at its residual window.
+  [[nodiscard]] std::size_t queued_bytes() {
+    std::lock_guard lock(state_.mutex);
+    std::size_t n = 0;
+    for (const auto& lane : state_.queues)
+      for (const queued& q : lane) n += q.bytes.size();
+    return n;
+  }
+
   /// Registers receive memory for one-sided writes; the key names it in a
   /// send_request's remote_slot. The memory must outlive the link's use of it.
   std::uint64_t register_region(std::span<std::byte> region) {

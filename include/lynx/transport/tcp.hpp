@@ -522,6 +522,16 @@ class tcp_sender {
   [[nodiscard]] const std::string& last_error() const noexcept { return last_error_; }
   /// Posted segments without a final event.
   [[nodiscard]] std::size_t outstanding() const noexcept { return undelivered_.size(); }
+  /// Bytes posted and not yet handed to the kernel, frame headers included,
+  /// every lane together. The sender never copies a segment: these bytes are
+  /// read from the callers' buffers, and grow only with what is posted (under
+  /// a stream_scheduler: the anchors plus its residual window).
+  [[nodiscard]] std::size_t queued_bytes() const noexcept {
+    std::size_t n = 0;
+    for (const auto& l : lanes_)
+      for (const outgoing& o : l.queue) n += sizeof o.frame + o.bytes.size() - o.written;
+    return n;
+  }
 
   /// Closes every lane (the receiver sees EOF); unfinished tickets fail with peer_failure.
   void close() {
@@ -822,6 +832,15 @@ class tcp_receiver {
   void release(const received_segment<clock>& segment) { held_.erase(segment.handle); }
 
   [[nodiscard]] std::size_t held() const noexcept { return held_.size(); }
+  /// Complete segments read and not yet handed out, every lane together: a lane
+  /// stops reading while max_waiting_segments of its own wait, so a sender
+  /// cannot grow the receiver's memory with a flood of small frames.
+  [[nodiscard]] std::size_t segments_waiting() const noexcept {
+    std::size_t n = 0;
+    for (const auto& l : lanes_) n += l.ready.size();
+    return n;
+  }
+  static constexpr std::size_t max_waiting_segments = 64;
   /// Bytes allocated for frames still arriving, every lane together: bounded by
   /// what has arrived (at most max(1 MiB, 2 x received) per lane), never by what
   /// a frame header announces.
@@ -977,7 +996,7 @@ class tcp_receiver {
     lane_state& l = lanes_[lane];
     const std::string name = "lane " + std::to_string(lane);
     std::size_t got = 0;
-    while (broken_ == errc::ok && l.open && got < budget) {
+    while (broken_ == errc::ok && l.open && got < budget && l.ready.size() < max_waiting_segments) {
       char* dst;
       std::size_t want;
       if (!l.in_body) {

@@ -179,7 +179,7 @@ std::size_t case_bytes(which w, std::int64_t T) {
   const std::int64_t blocks = (T + 31) / 32;
   const std::int64_t words_per_plane = 2 * kv_heads * blocks * head_dim;  // K and V
   const std::int64_t params =
-      2 * (kv_heads * blocks * head_dim + kv_heads * T * (head_dim / 32)) * 4;  // scale + zero
+      2 * (kv_heads * blocks * head_dim + kv_heads * T * (head_dim / 32)) * 2;  // bf16 scale + zero
   switch (w) {
     case which::anchor_8_4_4:
       return static_cast<std::size_t>(words_per_plane * 4 * 4 + params);

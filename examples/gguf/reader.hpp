@@ -158,6 +158,23 @@ enum class value_type : std::uint32_t {
   f64 = 12,
 };
 
+/// The eight integer types (the ones integer() and integer_array() read).
+inline bool is_integer(value_type t) {
+  switch (t) {
+    case value_type::u8:
+    case value_type::i8:
+    case value_type::u16:
+    case value_type::i16:
+    case value_type::u32:
+    case value_type::i32:
+    case value_type::u64:
+    case value_type::i64:
+      return true;
+    default:
+      return false;
+  }
+}
+
 inline std::string_view value_type_name(value_type t) {
   switch (t) {
     case value_type::u8:
@@ -707,22 +724,6 @@ class file {
   }
 
  private:
-  static bool is_integer(value_type t) {
-    switch (t) {
-      case value_type::u8:
-      case value_type::i8:
-      case value_type::u16:
-      case value_type::i16:
-      case value_type::u32:
-      case value_type::i32:
-      case value_type::u64:
-      case value_type::i64:
-        return true;
-      default:
-        return false;
-    }
-  }
-
   // Magnitude and sign of an integer value of type t at p.
   static std::pair<std::uint64_t, bool> integer_at(value_type t, const std::byte* p) {
     auto signed_value = [](std::int64_t v) {

@@ -91,22 +91,6 @@ void allowed_to_refuse(F&& f) {
   }
 }
 
-bool is_integer(value_type t) {
-  switch (t) {
-    case value_type::u8:
-    case value_type::i8:
-    case value_type::u16:
-    case value_type::i16:
-    case value_type::u32:
-    case value_type::i32:
-    case value_type::u64:
-    case value_type::i64:
-      return true;
-    default:
-      return false;
-  }
-}
-
 void check_metadata(const gguf::file& f, const input_range& in) {
   const auto& entries = f.metadata();
   if (f.keys().size() != entries.size()) failed("keys() and metadata() differ in size");
@@ -118,7 +102,7 @@ void check_metadata(const gguf::file& f, const input_range& in) {
     if (text.size() > (std::size_t{1} << 24)) failed("describe() produced over 16 MiB");
     if (e.type != value_type::array) {
       if (e.count != 1 || e.element_type != e.type) failed("a scalar entry with a count");
-      if (is_integer(e.type)) {
+      if (gguf::is_integer(e.type)) {
         allowed_to_refuse([&] { (void)f.get_uint(e.key); });  // negative: refused
         refused([&] { (void)f.get_string(e.key); }, "get_string on an integer");
       } else if (e.type == value_type::f32 || e.type == value_type::f64) {
@@ -145,7 +129,7 @@ void check_metadata(const gguf::file& f, const input_range& in) {
     } else if (e.element_type == value_type::f32 || e.element_type == value_type::f64) {
       if (f.get_float_array(e.key).size() != e.count)
         failed("a float array's size differs from its count");
-    } else if (is_integer(e.element_type)) {
+    } else if (gguf::is_integer(e.element_type)) {
       allowed_to_refuse([&] {  // an element beyond int32: refused
         if (f.get_int_array(e.key).size() != e.count)
           failed("an integer array's size differs from its count");

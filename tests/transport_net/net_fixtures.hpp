@@ -77,6 +77,19 @@ inline bool same_bits(const quantized_layer& a, const quantized_layer& b) {
          same_floats(a.value_scale, b.value_scale) && same_floats(a.value_zero, b.value_zero);
 }
 
+/// The first of `layers` tensors that is not complete or whose merged codes are
+/// not quantize's bits (quantize_layer's data), or -1 when every one is exact.
+template <stream_plan_type Plan, class Tensors>
+int first_inexact_layer(const Tensors& tensors, int layers, kv_shape shape, std::uint32_t seed) {
+  for (int l = 0; l < layers; ++l) {
+    const auto& t = tensors[static_cast<std::size_t>(l)];
+    if (!t.complete() ||
+        !same_bits(merge(t), quantize_layer<Plan>(shape, static_cast<std::uint32_t>(l), seed)))
+      return l;
+  }
+  return -1;
+}
+
 /// A forked child running `body`; its exit code is body's return value (an
 /// escaped lynx::error exits with 100 + its code, anything else with 99). It
 /// dies with its parent (PR_SET_PDEATHSIG) and after `limit` (alarm), so no

@@ -214,13 +214,7 @@ TEST_CASE(
     in_order[static_cast<std::size_t>(l)] = static_cast<std::uint32_t>(l);
   CHECK(anchor_order == in_order);
   CHECK(residual_order == in_order);
-  for (int l = 0; l < layers; ++l) {
-    CAPTURE(l);
-    REQUIRE(tensors[static_cast<std::size_t>(l)].complete());
-    CHECK(lynx::test::same_bits(
-        lynx::merge(tensors[static_cast<std::size_t>(l)]),
-        lynx::test::quantize_layer<plan>(shape, static_cast<std::uint32_t>(l), seed)));
-  }
+  CHECK(lynx::test::first_inexact_layer<plan>(tensors, layers, shape, seed) == -1);
 }
 
 TEST_CASE(
@@ -397,13 +391,7 @@ TEST_CASE(
         lynx::test::encode_layer<plan>(shape, static_cast<std::uint32_t>(l), seed, generation);
     for (int s = 0; s < 2; ++s) (void)tensors[static_cast<std::size_t>(l)].accept(e.segment(s));
   }
-  for (int l = 0; l < layers; ++l) {
-    CAPTURE(l);
-    REQUIRE(tensors[static_cast<std::size_t>(l)].complete());
-    CHECK(lynx::test::same_bits(
-        lynx::merge(tensors[static_cast<std::size_t>(l)]),
-        lynx::test::quantize_layer<plan>(shape, static_cast<std::uint32_t>(l), seed)));
-  }
+  CHECK(lynx::test::first_inexact_layer<plan>(tensors, layers, shape, seed) == -1);
 }
 
 TEST_CASE("a frame header is not trusted with memory: the body grows with what arrives") {

@@ -138,13 +138,7 @@ TEST_CASE(
     lynx::host_bitplane_tensor<plan> t(shape, 0, generation);
     CHECK_THROWS_AS(t.accept(bytes), lynx::error);
   }
-  for (int l = 0; l < layers; ++l) {
-    CAPTURE(l);
-    REQUIRE(tensors[static_cast<std::size_t>(l)].complete());
-    CHECK(lynx::test::same_bits(
-        lynx::merge(tensors[static_cast<std::size_t>(l)]),
-        lynx::test::quantize_layer<plan>(shape, static_cast<std::uint32_t>(l), seed)));
-  }
+  CHECK(lynx::test::first_inexact_layer<plan>(tensors, layers, shape, seed) == -1);
 }
 
 TEST_CASE(

@@ -86,9 +86,9 @@ void BM_accept_in_place(benchmark::State& state) {
   state.SetBytesProcessed(state.iterations() * f.bytes);
 }
 
-// The anchor's parameters checked where they lie (finite ranges, non-negative
-// scales; attention reads them as they travel, bf16): the part of
-// accept_in_place beyond the checksum.
+// The exact per-group parameter check, which accept runs only for an anchor
+// the checksum pass found suspect: what a second pass over the parameters
+// would cost every anchor.
 void BM_check_params(benchmark::State& state) {
   auto& f = fixture_of(state.range(0));
   const auto g = lynx::make_geometry<plan, 32>(f.shape);

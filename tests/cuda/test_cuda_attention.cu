@@ -267,7 +267,6 @@ lynx::bitplane_view<Plan, G, lynx::device_space> fake_view(lynx::kv_shape shape,
   for (int s = 0; s < Plan::streams; ++s)
     v.payload[static_cast<std::size_t>(s)] =
         reinterpret_cast<const std::byte*>(std::uintptr_t{4096});
-  v.params = reinterpret_cast<const std::byte*>(std::uintptr_t{4096});
   return v;
 }
 

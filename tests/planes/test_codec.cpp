@@ -907,7 +907,7 @@ struct tensor_state {
       payloads.emplace_back();
       if (p) payloads.back().assign(p, p + t.geometry().payload_bytes(s));
     }
-    if (v.params) params.assign(v.params, v.params + t.geometry().wire_params_bytes());
+    if (v.payload[0]) params.assign(v.payload[0], v.payload[0] + t.geometry().wire_params_bytes());
   }
   std::vector<std::byte> params;  // the parameters the view reads, once the anchor is there
   friend bool operator==(const tensor_state&, const tensor_state&) = default;

@@ -130,7 +130,7 @@ class code_tensor {
     }
     geometry_ = g;
     layer_ = v.layer;
-    std::memcpy(params_.data(), v.params, params);
+    std::memcpy(params_.data(), v.payload[0], params);  // the front of the anchor
     const detail::plane_kv_source src = detail::plane_source(v, Plan::bits);
     code_type* kc = reinterpret_cast<code_type*>(keys_.data());
     code_type* vc = reinterpret_cast<code_type*>(values_.data());

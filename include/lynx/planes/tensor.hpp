@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <span>
@@ -42,13 +43,13 @@ LYNX_HOST_DEVICE const bf16* wire_params(const layer_geometry& g, const std::byt
 struct plane_data {
   layer_geometry geometry{};
   std::array<const std::byte*, max_streams> payload{};
-  const std::byte* params = nullptr;
 
-  // The anchor's parameters as they travel (bf16, layout.hpp), read in place.
-  const bf16* key_scale() const { return wire_params(geometry, params, 0); }
-  const bf16* key_zero() const { return wire_params(geometry, params, 1); }
-  const bf16* value_scale() const { return wire_params(geometry, params, 2); }
-  const bf16* value_zero() const { return wire_params(geometry, params, 3); }
+  // The anchor's parameters as they travel (bf16, the front of its payload,
+  // layout.hpp), read in place.
+  const bf16* key_scale() const { return wire_params(geometry, payload[0], 0); }
+  const bf16* key_zero() const { return wire_params(geometry, payload[0], 1); }
+  const bf16* value_scale() const { return wire_params(geometry, payload[0], 2); }
+  const bf16* value_zero() const { return wire_params(geometry, payload[0], 3); }
   const std::uint32_t* key_planes(int s) const {
     return reinterpret_cast<const std::uint32_t*>(payload[s] + geometry.key_planes_offset(s));
   }
@@ -90,11 +91,9 @@ struct bitplane_view {
   layer_geometry geometry{};
   std::uint32_t layer = 0;
   int level = 0;  // streams present as a prefix: 0 (nothing usable) .. Plan::streams
-  std::array<const std::byte*, max_streams>
-      payload{};  // [stream] -> payload bytes as on the wire (nullptr when absent)
-  // The anchor's bf16 parameters as they travel (the front of its payload,
-  // layout.hpp), read in place; nullptr without the anchor.
-  const std::byte* params = nullptr;
+  // [stream] -> payload bytes as on the wire (nullptr when absent); the
+  // anchor's begins with its bf16 parameters (layout.hpp), read in place
+  std::array<const std::byte*, max_streams> payload{};
 
   /// Planes present: the precision this view reconstructs at.
   LYNX_HOST_DEVICE int planes() const { return geometry.plan.plane_begin(level); }
@@ -102,14 +101,16 @@ struct bitplane_view {
   /// same), value scales [kv_heads][tokens][value_channel_groups], value zero
   /// points (the same): bf16 values, read where the anchor lies.
   LYNX_HOST_DEVICE const bf16* key_scale() const {
-    return detail::wire_params(geometry, params, 0);
+    return detail::wire_params(geometry, payload[0], 0);
   }
-  LYNX_HOST_DEVICE const bf16* key_zero() const { return detail::wire_params(geometry, params, 1); }
+  LYNX_HOST_DEVICE const bf16* key_zero() const {
+    return detail::wire_params(geometry, payload[0], 1);
+  }
   LYNX_HOST_DEVICE const bf16* value_scale() const {
-    return detail::wire_params(geometry, params, 2);
+    return detail::wire_params(geometry, payload[0], 2);
   }
   LYNX_HOST_DEVICE const bf16* value_zero() const {
-    return detail::wire_params(geometry, params, 3);
+    return detail::wire_params(geometry, payload[0], 3);
   }
   /// Key plane words of stream s: [kv_heads][blocks][planes of s][head_dim].
   LYNX_HOST_DEVICE const std::uint32_t* key_planes(int s) const {
@@ -128,7 +129,7 @@ struct bitplane_view {
   }
   /// The view's data without its plan and group size in the type (they are in
   /// geometry): what the host attention walks read, one walk for every plan.
-  detail::plane_data data() const { return {geometry, payload, params}; }
+  detail::plane_data data() const { return {geometry, payload}; }
   /// The same view at a lower precision level (at most the current one).
   bitplane_view at_level(int l) const {
     detail::require(l >= 1 && l <= level, errc::invalid_argument,
@@ -156,47 +157,36 @@ namespace detail {
 /// on the path, so the values are checked too: every scale >= 0 and every
 /// group's range zero .. zero + scale (2^B - 1) finite, else lynx::error
 /// (corrupted_segment) names the layer, the stream, the kv head and the group.
+/// stream_ledger::admit runs it only for an anchor the checksum pass found
+/// suspect (detail::param_scan), so it is written for the message, not speed.
 inline void check_params(const layer_geometry& g, std::uint32_t layer, const std::byte* payload) {
   const float top = static_cast<float>((std::uint32_t{1} << g.plan.bits) - 1u);
   for (int pair = 0; pair < 2; ++pair) {  // keys, values
     const std::int64_t n = g.param_section_params(2 * pair);
     const bf16* scales = wire_params(g, payload, 2 * pair);
     const bf16* zeros = wire_params(g, payload, 2 * pair + 1);
-    for (std::int64_t i0 = 0; i0 < n; i0 += 1024) {
-      const std::int64_t m = std::min<std::int64_t>(1024, n - i0);
-      // Branch-free, so that compilers vectorize it: x - x is 0 exactly when x is finite.
-      unsigned bad = 0;
-      for (std::int64_t i = i0; i < i0 + m; ++i) {
-        const std::uint16_t scale_bits = scales[i].bits;
-        const float sc = bf16_bits_to_float(scale_bits), z = bf16_bits_to_float(zeros[i].bits);
-        const float hi = z + sc * top;
-        bad |= static_cast<unsigned>(!(hi - hi == 0.0f)) | static_cast<unsigned>(!(z - z == 0.0f)) |
-               (static_cast<unsigned>(scale_bits) >> 15);
+    for (std::int64_t k = 0; k < n; ++k) {
+      const float sc = static_cast<float>(scales[k]), z = static_cast<float>(zeros[k]);
+      const float hi = z + sc * top;
+      if (std::isfinite(hi) && std::isfinite(z) && (scales[k].bits & 0x8000u) == 0u) continue;
+      std::string where;
+      if (pair == 0) {
+        const std::int64_t per_head = g.key_token_groups() * g.head_dim;
+        where = "key parameters of kv head " + std::to_string(k / per_head) + ", token group " +
+                std::to_string(k % per_head / g.head_dim) + " (tokens from " +
+                std::to_string(k % per_head / g.head_dim * g.key_group) + "), channel " +
+                std::to_string(k % g.head_dim);
+      } else {
+        const std::int64_t groups = g.value_channel_groups(), per_head = g.tokens * groups;
+        where = "value parameters of kv head " + std::to_string(k / per_head) + ", token " +
+                std::to_string(k % per_head / groups) + ", channel group " +
+                std::to_string(k % groups);
       }
-      if (bad == 0u) continue;
-      for (std::int64_t k = i0; k < i0 + m; ++k) {
-        const float sc = static_cast<float>(scales[k]), z = static_cast<float>(zeros[k]);
-        const float hi = z + sc * top;
-        if ((hi - hi == 0.0f) && (z - z == 0.0f) && (scales[k].bits & 0x8000u) == 0u) continue;
-        std::string where;
-        if (pair == 0) {
-          const std::int64_t per_head = g.key_token_groups() * g.head_dim;
-          where = "key parameters of kv head " + std::to_string(k / per_head) + ", token group " +
-                  std::to_string(k % per_head / g.head_dim) + " (tokens from " +
-                  std::to_string(k % per_head / g.head_dim * g.key_group) + "), channel " +
-                  std::to_string(k % g.head_dim);
-        } else {
-          const std::int64_t groups = g.value_channel_groups(), per_head = g.tokens * groups;
-          where = "value parameters of kv head " + std::to_string(k / per_head) + ", token " +
-                  std::to_string(k % per_head / groups) + ", channel group " +
-                  std::to_string(k % groups);
-        }
-        fail(errc::corrupted_segment,
-             "segment of layer " + std::to_string(layer) + " stream 0: " + where + " are scale " +
-                 std::to_string(sc) + ", zero point " + std::to_string(z) +
-                 " (a scale must be >= 0 and the group's range finite); the segment carries a "
-                 "valid checksum, so it was corrupted before sealing or forged");
-      }
+      fail(errc::corrupted_segment,
+           "segment of layer " + std::to_string(layer) + " stream 0: " + where + " are scale " +
+               std::to_string(sc) + ", zero point " + std::to_string(z) +
+               " (a scale must be >= 0 and the group's range finite); the segment carries a "
+               "valid checksum, so it was corrupted before sealing or forged");
     }
   }
 }
@@ -283,11 +273,9 @@ class stream_ledger {
   }
 
  protected:
-  /// A view at `level` whose stream s payload is payload_of(s) (absent streams:
-  /// nullptr) and whose parameters are at `params` (the anchor's payload).
+  /// A view at `level` whose stream s payload is payload_of(s) (absent streams: nullptr).
   template <memory_space Space, class PayloadOf>
-  [[nodiscard]] bitplane_view<Plan, G, Space> make_view(int level, PayloadOf payload_of,
-                                                        const std::byte* params) const {
+  [[nodiscard]] bitplane_view<Plan, G, Space> make_view(int level, PayloadOf payload_of) const {
     if (level < 0 || level > precision_level())  // per layer per decode step: no message on success
       detail::fail(errc::invalid_argument, "precision level " + std::to_string(level) +
                                                " requested for layer " + std::to_string(layer_) +
@@ -300,7 +288,6 @@ class stream_ledger {
     for (int s = 0; s < Plan::streams; ++s)
       v.payload[static_cast<std::size_t>(s)] =
           present_[static_cast<std::size_t>(s)] ? payload_of(s) : nullptr;
-    v.params = present_[0] ? params : nullptr;
     return v;
   }
 
@@ -347,10 +334,9 @@ class bitplane_tensor<Plan, G, host_space> : public stream_ledger<Plan, G> {
   /// View at the current precision level (or a lower one).
   [[nodiscard]] view_type view() const { return view_at(this->precision_level()); }
   [[nodiscard]] view_type view_at(int level) const {
-    return this->template make_view<host_space>(
-        level,
-        [&](int s) -> const std::byte* { return storage_[static_cast<std::size_t>(s)].data(); },
-        storage_[0].data());
+    return this->template make_view<host_space>(level, [&](int s) -> const std::byte* {
+      return storage_[static_cast<std::size_t>(s)].data();
+    });
   }
 
  private:
@@ -427,12 +413,9 @@ class slot_tensor : public stream_ledger<Plan, G> {
 
   [[nodiscard]] view_type view() const { return view_at(this->precision_level()); }
   [[nodiscard]] view_type view_at(int level) const {
-    return this->template make_view<host_space>(
-        level,
-        [&](int s) -> const std::byte* {
-          return slots_[static_cast<std::size_t>(s)].data() + segment_header_bytes;
-        },
-        slots_[0].data() + segment_header_bytes);
+    return this->template make_view<host_space>(level, [&](int s) -> const std::byte* {
+      return slots_[static_cast<std::size_t>(s)].data() + segment_header_bytes;
+    });
   }
 
  private:

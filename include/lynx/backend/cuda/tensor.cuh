@@ -144,10 +144,9 @@ class bitplane_tensor<Plan, G, device_space> : public stream_ledger<Plan, G> {
   /// View at the current precision level (or a lower one); payload pointers are device pointers.
   [[nodiscard]] view_type view() const { return view_at(this->precision_level()); }
   [[nodiscard]] view_type view_at(int level) const {
-    return this->template make_view<device_space>(
-        level,
-        [&](int s) -> const std::byte* { return storage_[static_cast<std::size_t>(s)].data(); },
-        storage_[0].data());
+    return this->template make_view<device_space>(level, [&](int s) -> const std::byte* {
+      return storage_[static_cast<std::size_t>(s)].data();
+    });
   }
 
  private:
